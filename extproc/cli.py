@@ -1,0 +1,106 @@
+"""Command line: `llm-extproc serve | sim | demo | validate-config`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from extproc import __version__
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from extproc.config import load_config
+    from extproc.server import serve
+
+    config = load_config(
+        args.config,
+        listen=args.listen,
+        metrics_listen=args.metrics_listen,
+        max_body_bytes=args.max_body_bytes,
+    )
+    _run(serve(config))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from extproc.config import load_config
+
+    config = load_config(args.config)
+    print(
+        f"ok: {len(config.pool.clusters)} clusters, models {config.pool.models()}, "
+        f"profile '{config.profile.name}'"
+    )
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from extproc.sim.server import run_engines
+
+    _run(run_engines(args.host, args.port, args.count, args.model, args.token_delay_ms / 1000.0))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from extproc.gateway.demo import run_demo
+
+    return _run(run_demo(requests=args.requests, concurrency=args.concurrency, engines=args.engines))
+
+
+def _run(coro: object) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__)
+    parser.add_argument("--version", action="version", version=__version__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the ext_proc gRPC service")
+    p.add_argument("--config", help="YAML config (default: $LLM_EXTPROC_CONFIG)")
+    p.add_argument("--listen", help="gRPC listen address, e.g. 0.0.0.0:9002")
+    p.add_argument("--metrics-listen", help="Prometheus /metrics address, e.g. 0.0.0.0:9090")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body routed (413 above)")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("check-config", help="load and validate a config file, then exit")
+    p.add_argument("--config", help="YAML config (default: $LLM_EXTPROC_CONFIG)")
+    p.set_defaults(func=_check)
+
+    p = sub.add_parser("sim", help="run simulated OpenAI-compatible engines (no GPU)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001, help="first port; engine i listens on port+i")
+    p.add_argument("--count", type=int, default=2)
+    p.add_argument("--model", default="sim-llama")
+    p.add_argument("--token-delay-ms", type=float, default=5.0)
+    p.set_defaults(func=_sim)
+
+    p = sub.add_parser("demo", help="Envoy + llm-extproc + simulated engines, side by side with round robin")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--engines", type=int, default=3)
+    p.set_defaults(func=_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as exc:
+        print(f"llm-extproc: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

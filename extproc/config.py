@@ -1,0 +1,92 @@
+"""Service configuration: one YAML file, a few CLI/env overrides.
+
+Per-route tuning belongs in envoy.yaml; this file supplies the defaults and the pool.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.fleet import Pool, RoutingMode, pool_from_config
+from extproc.scheduling import DEFAULT_PROFILE, Profile, profile_from_config
+
+ENV_CONFIG = "LLM_EXTPROC_CONFIG"
+
+
+@dataclass(slots=True)
+class HeaderNames:
+    destination_cluster: str = "x-llm-destination-cluster"
+    destination_endpoint: str = "x-gateway-destination-endpoint"
+    session: str = "x-session-id"
+    user: str = "x-user-id"
+    priority: str = "x-llm-priority"
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    pool: Pool
+    profile: Profile
+    listen: str = "127.0.0.1:9002"
+    metrics_listen: str | None = "127.0.0.1:9090"
+    max_body_bytes: int = 16 * 1024 * 1024
+    grpc_max_message_bytes: int = 0
+    shutdown_grace_s: float = 30.0
+    headers: HeaderNames = field(default_factory=HeaderNames)
+    endpoint_metadata_namespace: str = "envoy.lb"
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError("max_body_bytes must be positive")
+        floor = self.max_body_bytes + 1024 * 1024
+        if self.grpc_max_message_bytes < floor:
+            # Envoy sends the whole buffered body in one gRPC message: the receive limit must exceed it.
+            self.grpc_max_message_bytes = floor
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> ServiceConfig:
+    """Read the YAML file (or $LLM_EXTPROC_CONFIG), then apply non-None keyword overrides."""
+    chosen = path or os.environ.get(ENV_CONFIG)
+    if not chosen:
+        raise ValueError(f"no configuration file: pass --config or set {ENV_CONFIG}")
+    text = Path(chosen).read_text()
+    raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{chosen}: top level must be a mapping")
+    return config_from_dict(raw, **overrides)
+
+
+def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
+    raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+    mode = RoutingMode(raw.get("routing", RoutingMode.CLUSTER.value))
+    pool_raw = raw.get("pool")
+    if not isinstance(pool_raw, dict) or "clusters" not in pool_raw:
+        raise ValueError("config: 'pool.clusters' is required")
+    pool = pool_from_config(pool_raw["clusters"], mode)
+
+    sched = raw.get("scheduling") or {}
+    profiles = sched.get("profiles") or {"default": DEFAULT_PROFILE}
+    chosen = sched.get("profile", "default")
+    if chosen not in profiles:
+        raise ValueError(f"config: scheduling profile '{chosen}' is not defined")
+    profile = profile_from_config(chosen, profiles[chosen])
+
+    headers = HeaderNames(**{k: v.lower() for k, v in (raw.get("headers") or {}).items()})
+    known = {
+        "listen",
+        "metrics_listen",
+        "max_body_bytes",
+        "grpc_max_message_bytes",
+        "shutdown_grace_s",
+        "endpoint_metadata_namespace",
+    }
+    unknown = set(raw) - known - {"routing", "pool", "scheduling", "headers"}
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}")
+    return ServiceConfig(
+        pool=pool, profile=profile, headers=headers, **{k: raw[k] for k in known if k in raw}
+    )

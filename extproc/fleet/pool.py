@@ -1,0 +1,126 @@
+"""The static pool: which Envoy clusters (and endpoints) serve which models.
+
+Live snapshots from Redis replace the static view in the fleet-state work; the routing code only
+sees `Upstream` records and the per-model candidate lists built here once, so lookups on the hot
+path are a dict access, not a scan of the fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+WILDCARD = "*"
+
+
+class RoutingMode(StrEnum):
+    CLUSTER = "cluster"
+    """Set x-llm-destination-cluster; Envoy's cluster load balancer picks the host."""
+    ENDPOINT = "endpoint"
+    """Also set x-gateway-destination-endpoint (ip:port) for override_host / ORIGINAL_DST."""
+
+
+@dataclass(slots=True, frozen=True)
+class Upstream:
+    """One schedulable target: a whole cluster, or one endpoint of it."""
+
+    id: str
+    cluster: str
+    address: str | None
+    weight: float
+
+
+@dataclass(slots=True, frozen=True)
+class ClusterSpec:
+    name: str
+    models: tuple[str, ...]
+    endpoints: tuple[str, ...] = ()
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class Pool:
+    clusters: tuple[ClusterSpec, ...]
+    mode: RoutingMode = RoutingMode.CLUSTER
+    _by_model: dict[str, tuple[Upstream, ...]] = field(init=False, default_factory=dict)
+    _wildcard: tuple[Upstream, ...] = field(init=False, default=())
+    _all: tuple[Upstream, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.clusters]
+        if len(set(names)) != len(names):
+            raise ValueError("pool: cluster names must be unique")
+        by_model: dict[str, list[Upstream]] = {}
+        wildcard: list[Upstream] = []
+        everything: list[Upstream] = []
+        for spec in self.clusters:
+            ups = _upstreams(spec, self.mode)
+            everything.extend(ups)
+            for model in spec.models:
+                (wildcard if model == WILDCARD else by_model.setdefault(model, [])).extend(ups)
+        self._by_model = {m: tuple(u) for m, u in by_model.items()}
+        self._wildcard = tuple(wildcard)
+        self._all = tuple(everything)
+
+    def candidates(self, model: str) -> tuple[Upstream, ...] | None:
+        """Upstreams serving `model`; None when no cluster serves it (unknown model)."""
+        found = self._by_model.get(model)
+        if found is not None:
+            return found
+        return self._wildcard or None
+
+    def everything(self) -> tuple[Upstream, ...]:
+        return self._all
+
+    def models(self) -> list[str]:
+        return sorted(self._by_model)
+
+    def cluster_names(self) -> list[str]:
+        return [c.name for c in self.clusters]
+
+
+def _upstreams(spec: ClusterSpec, mode: RoutingMode) -> list[Upstream]:
+    if mode is RoutingMode.CLUSTER:
+        return [Upstream(id=spec.name, cluster=spec.name, address=None, weight=spec.weight)]
+    if not spec.endpoints:
+        raise ValueError(f"pool: cluster '{spec.name}' needs 'endpoints' in endpoint routing mode")
+    return [
+        Upstream(id=f"{spec.name}/{addr}", cluster=spec.name, address=addr, weight=spec.weight)
+        for addr in spec.endpoints
+    ]
+
+
+def parse_endpoint(addr: str) -> str:
+    """Validate an `ip:port` (or `[v6]:port`) endpoint literal; returns it unchanged."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"pool: endpoint '{addr}' must be ip:port")
+    return addr
+
+
+def pool_from_config(raw: Iterable[dict], mode: RoutingMode) -> Pool:
+    specs: list[ClusterSpec] = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ValueError("pool: each cluster needs a string 'name'")
+        models = item.get("models")
+        if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
+            raise ValueError(f"pool: cluster '{item['name']}' needs a non-empty list of 'models'")
+        endpoints = item.get("endpoints", [])
+        if not isinstance(endpoints, list) or not all(isinstance(e, str) for e in endpoints):
+            raise ValueError(f"pool: cluster '{item['name']}' 'endpoints' must be a list of ip:port")
+        weight = item.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
+            raise ValueError(f"pool: cluster '{item['name']}' 'weight' must be a positive number")
+        specs.append(
+            ClusterSpec(
+                name=item["name"],
+                models=tuple(models),
+                endpoints=tuple(parse_endpoint(e) for e in endpoints),
+                weight=float(weight),
+            )
+        )
+    if not specs:
+        raise ValueError("pool: at least one cluster is required")
+    return Pool(clusters=tuple(specs), mode=mode)

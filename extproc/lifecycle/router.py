@@ -1,0 +1,111 @@
+"""The request lifecycle: parse -> admit -> schedule -> record. The stream layer does the respond step.
+
+Everything here is synchronous and in-memory: no network I/O happens on the request path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import orjson
+
+from extproc.config import ServiceConfig
+from extproc.fleet import InFlight, Lease, Upstream
+from extproc.openai import (
+    Api,
+    InferenceRequest,
+    RequestError,
+    RequestHead,
+    bodyless_request,
+    parse_body,
+    parse_head,
+)
+from extproc.openai.errors import bad_request, body_too_large, no_upstream, unknown_model
+from extproc.openai.parse import check_content_type
+from extproc.telemetry import Metrics
+
+# APIs whose requests must carry a JSON body naming a model.
+_MODEL_APIS = frozenset({Api.CHAT, Api.COMPLETION, Api.EMBEDDING})
+
+
+@dataclass(slots=True)
+class Decision:
+    request: InferenceRequest
+    upstream: Upstream
+    lease: Lease
+
+
+class RequestLifecycle:
+    """Turns one request (headers, then maybe a body) into a Decision or a RequestError."""
+
+    __slots__ = ("config", "inflight", "metrics")
+
+    def __init__(self, config: ServiceConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.inflight = InFlight(metrics.on_inflight_change)
+
+    # -- parse -----------------------------------------------------------------------------------
+    def read_head(self, headers: dict[str, str]) -> RequestHead:
+        h = self.config.headers
+        head = parse_head(headers, session_header=h.session, user_header=h.user, priority_header=h.priority)
+        if head.content_length is not None and head.content_length > self.config.max_body_bytes:
+            raise body_too_large(self.config.max_body_bytes)
+        return head
+
+    def check_size(self, size: int) -> None:
+        if size > self.config.max_body_bytes:
+            raise body_too_large(self.config.max_body_bytes)
+
+    def route(self, head: RequestHead, body: bytes | None) -> Decision:
+        """Parse, admit, schedule and record one request; raises RequestError to reject it."""
+        started = time.perf_counter()
+        request = self._parse(head, body)
+        # -- admit ---------------------------------------------------------------------------------
+        if request.model is not None:
+            candidates = self.config.pool.candidates(request.model)
+            if candidates is None:
+                raise unknown_model(request.model)
+        else:
+            candidates = self.config.pool.everything()
+        # -- schedule ------------------------------------------------------------------------------
+        upstream = self.config.profile.schedule(request, candidates, self.inflight)
+        if upstream is None:
+            raise no_upstream(request.model)
+        # -- record --------------------------------------------------------------------------------
+        lease = self.inflight.acquire(upstream)
+        self.metrics.requests.labels(
+            model=self.metrics.model_label(request.model), cluster=upstream.cluster, outcome="routed"
+        ).inc()
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        return Decision(request=request, upstream=upstream, lease=lease)
+
+    def rejected(self, error: RequestError, model: str | None = None) -> None:
+        self.metrics.errors.labels(status=str(error.status)).inc()
+        self.metrics.requests.labels(
+            model=self.metrics.model_label(model), cluster="", outcome="rejected"
+        ).inc()
+
+    def _parse(self, head: RequestHead, body: bytes | None) -> InferenceRequest:
+        if body is None or (not body and head.api not in _MODEL_APIS):
+            if head.api in _MODEL_APIS:
+                raise bad_request("This endpoint requires a JSON request body.", code="missing_body")
+            return bodyless_request(head)
+        self.check_size(len(body))
+        if head.api in _MODEL_APIS:
+            return parse_body(head, body)
+        return _parse_other(head, body)
+
+
+def _parse_other(head: RequestHead, body: bytes) -> InferenceRequest:
+    """Paths we do not model (/v1/responses, /tokenize, ...): route by 'model' when the JSON has one,
+    otherwise pass the request through to any upstream."""
+    try:
+        check_content_type(head)
+        doc = orjson.loads(body)
+    except (RequestError, orjson.JSONDecodeError):
+        return bodyless_request(head)
+    if isinstance(doc, dict) and "model" in doc:
+        return parse_body(head, body)
+    return bodyless_request(head)

@@ -1,0 +1,82 @@
+"""OpenAI-style errors that end a request with an immediate response from Envoy."""
+
+from __future__ import annotations
+
+import orjson
+
+
+class RequestError(Exception):
+    """A request the service refuses; carries the HTTP status and an OpenAI-style error body."""
+
+    __slots__ = ("code", "err_type", "message", "param", "retry_after", "status")
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        err_type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> bytes:
+        """The JSON error body. Never echoes request content beyond short, sanitised field names."""
+        return orjson.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.err_type,
+                    "param": self.param,
+                    "code": self.code if self.code is not None else self.status,
+                }
+            }
+        )
+
+
+def bad_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> RequestError:
+    return RequestError(400, message, param=param, code=code)
+
+
+def unknown_model(model: str) -> RequestError:
+    shown = model if len(model) <= 128 else model[:128] + "..."
+    return RequestError(
+        404,
+        f"The model '{shown}' does not exist or is not served by this gateway.",
+        err_type="invalid_request_error",
+        code="model_not_found",
+        param="model",
+    )
+
+
+def body_too_large(limit: int) -> RequestError:
+    return RequestError(
+        413,
+        f"Request body exceeds the gateway limit of {limit} bytes.",
+        code="request_too_large",
+    )
+
+
+def no_upstream(model: str | None) -> RequestError:
+    what = f"model '{model}'" if model else "this request"
+    return RequestError(
+        503,
+        f"No upstream is available for {what}.",
+        err_type="service_unavailable_error",
+        code="no_upstream",
+        retry_after=1,
+    )
+
+
+def internal_error() -> RequestError:
+    return RequestError(
+        500, "The gateway failed to route the request.", err_type="server_error", code="internal"
+    )

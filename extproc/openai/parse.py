@@ -1,0 +1,284 @@
+"""Parse OpenAI-style requests into the few fields routing needs.
+
+Only what the scheduler uses is extracted and type-checked; the body itself is forwarded untouched,
+so fields this parser does not know (tools, response_format, ...) reach the engine as sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from extproc.openai.errors import RequestError, bad_request
+
+
+class Api(StrEnum):
+    CHAT = "chat"
+    COMPLETION = "completion"
+    EMBEDDING = "embedding"
+    MODELS = "models"
+    OTHER = "other"
+
+
+_API_BY_PATH: dict[str, Api] = {
+    "/v1/chat/completions": Api.CHAT,
+    "/v1/completions": Api.COMPLETION,
+    "/v1/embeddings": Api.EMBEDDING,
+    "/v1/models": Api.MODELS,
+}
+
+MAX_MODEL_NAME = 256
+
+
+@dataclass(slots=True)
+class RequestHead:
+    """What the request headers say, before any body is seen."""
+
+    method: str
+    path: str
+    api: Api
+    content_type: str | None
+    content_length: int | None
+    session: str | None
+    user: str | None
+    priority: int
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """A parsed request: the routing-relevant view of one OpenAI call."""
+
+    api: Api
+    model: str | None
+    stream: bool
+    max_tokens: int | None
+    prompt_text: str
+    prompt_token_ids: list[int] | None
+    session: str | None
+    user: str | None
+    priority: int
+    body_bytes: int
+
+
+def api_for_path(path: str) -> Api:
+    bare = path.split("?", 1)[0].rstrip("/") or "/"
+    return _API_BY_PATH.get(bare, Api.OTHER)
+
+
+def parse_head(
+    headers: dict[str, str], *, session_header: str, user_header: str, priority_header: str
+) -> RequestHead:
+    path = headers.get(":path", "/")
+    content_length: int | None = None
+    raw_len = headers.get("content-length")
+    if raw_len is not None:
+        try:
+            content_length = int(raw_len)
+        except ValueError:
+            content_length = None
+    priority = 0
+    raw_prio = headers.get(priority_header)
+    if raw_prio is not None:
+        try:
+            priority = int(raw_prio.strip())
+        except ValueError:
+            raise bad_request(
+                f"Header '{priority_header}' must be an integer.", param=priority_header
+            ) from None
+    return RequestHead(
+        method=headers.get(":method", "GET").upper(),
+        path=path,
+        api=api_for_path(path),
+        content_type=headers.get("content-type"),
+        content_length=content_length,
+        session=headers.get(session_header) or None,
+        user=headers.get(user_header) or None,
+        priority=priority,
+    )
+
+
+def check_content_type(head: RequestHead) -> None:
+    """A body we must read has to be JSON; a missing content type is tolerated (curl -d sends none useful)."""
+    ctype = head.content_type
+    if ctype is None:
+        return
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise RequestError(
+            400,
+            "Content-Type must be application/json.",
+            code="unsupported_content_type",
+            param="content-type",
+        )
+
+
+def parse_body(head: RequestHead, body: bytes) -> InferenceRequest:
+    """Parse and type-check a JSON body. Raises RequestError (400) on anything malformed."""
+    check_content_type(head)
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(
+            f"Request body is not valid JSON ({_short(str(exc))}).", code="invalid_json"
+        ) from None
+    if not isinstance(doc, dict):
+        raise bad_request("Request body must be a JSON object.", code="invalid_json")
+
+    api = head.api
+    model = doc.get("model")
+    if api in (Api.CHAT, Api.COMPLETION, Api.EMBEDDING) or model is not None:
+        model = _model(doc)
+
+    stream = doc.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean.", param="stream", code="invalid_type")
+
+    max_tokens = _opt_int(doc, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _opt_int(doc, "max_tokens")
+
+    user = doc.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("'user' must be a string.", param="user", code="invalid_type")
+
+    prompt_text = ""
+    token_ids: list[int] | None = None
+    if api is Api.CHAT:
+        prompt_text = _chat_text(doc)
+    elif api is Api.COMPLETION:
+        prompt_text, token_ids = _prompt(doc, "prompt")
+    elif api is Api.EMBEDDING:
+        prompt_text, token_ids = _prompt(doc, "input")
+
+    return InferenceRequest(
+        api=api,
+        model=model,
+        stream=stream,
+        max_tokens=max_tokens,
+        prompt_text=prompt_text,
+        prompt_token_ids=token_ids,
+        session=head.session,
+        user=head.user or user,
+        priority=head.priority,
+        body_bytes=len(body),
+    )
+
+
+def bodyless_request(head: RequestHead) -> InferenceRequest:
+    return InferenceRequest(
+        api=head.api,
+        model=None,
+        stream=False,
+        max_tokens=None,
+        prompt_text="",
+        prompt_token_ids=None,
+        session=head.session,
+        user=head.user,
+        priority=head.priority,
+        body_bytes=0,
+    )
+
+
+def _model(doc: dict[str, Any]) -> str:
+    model = doc.get("model")
+    if model is None:
+        raise bad_request("Missing required field 'model'.", param="model", code="missing_field")
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string.", param="model", code="invalid_type")
+    if not model or len(model) > MAX_MODEL_NAME:
+        raise bad_request(
+            f"'model' must be 1 to {MAX_MODEL_NAME} characters.", param="model", code="invalid_value"
+        )
+    return model
+
+
+def _opt_int(doc: dict[str, Any], key: str) -> int | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{key}' must be an integer.", param=key, code="invalid_type")
+    if value < 0:
+        raise bad_request(f"'{key}' must not be negative.", param=key, code="invalid_value")
+    return value
+
+
+def _chat_text(doc: dict[str, Any]) -> str:
+    messages = doc.get("messages")
+    if messages is None:
+        raise bad_request("Missing required field 'messages'.", param="messages", code="missing_field")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array.", param="messages", code="invalid_type")
+    parts: list[str] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise bad_request(
+                f"'messages[{i}]' must be an object.", param=f"messages[{i}]", code="invalid_type"
+            )
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise bad_request(
+                f"'messages[{i}].role' must be a string.", param=f"messages[{i}].role", code="invalid_type"
+            )
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            parts.append(content or "")
+        elif isinstance(content, list):
+            parts.extend(_content_parts(content, i))
+        else:
+            raise bad_request(
+                f"'messages[{i}].content' must be a string or an array of content parts.",
+                param=f"messages[{i}].content",
+                code="invalid_type",
+            )
+    return "\n".join(parts)
+
+
+def _content_parts(content: list[Any], i: int) -> list[str]:
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(
+                f"'{where}' must be an object with a string 'type'.", param=where, code="invalid_type"
+            )
+        if part["type"] == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(
+                    f"'{where}.text' must be a string.", param=f"{where}.text", code="invalid_type"
+                )
+            texts.append(text)
+    return texts
+
+
+def _prompt(doc: dict[str, Any], key: str) -> tuple[str, list[int] | None]:
+    value = doc.get(key)
+    if value is None:
+        raise bad_request(f"Missing required field '{key}'.", param=key, code="missing_field")
+    if isinstance(value, str):
+        return value, None
+    if isinstance(value, list):
+        if all(isinstance(x, str) for x in value):
+            return "\n".join(value), None
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return "", value
+        if all(
+            isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            for x in value
+        ):
+            return "", [t for x in value for t in x]
+    raise bad_request(
+        f"'{key}' must be a string, an array of strings, or an array of token ids.",
+        param=key,
+        code="invalid_type",
+    )
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."

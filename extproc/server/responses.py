@@ -1,0 +1,112 @@
+"""Builders for ext_proc ProcessingResponse messages.
+
+Header values always go in `raw_value`: current Envoy ignores `value` and would set empty headers.
+"""
+
+from __future__ import annotations
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.struct_pb2 import Struct
+
+from extproc.config import HeaderNames
+from extproc.fleet import Upstream
+from extproc.openai import RequestError
+
+_OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+IMMEDIATE_DETAILS = "llm_extproc_rejected"
+
+
+def _set(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
+
+
+def routing_mutation(upstream: Upstream, names: HeaderNames) -> pb.HeaderMutation:
+    """Set the destination; in cluster mode also remove any endpoint header a client smuggled in."""
+    sets = [_set(names.destination_cluster, upstream.cluster)]
+    removes: list[str] = []
+    if upstream.address is not None:
+        sets.append(_set(names.destination_endpoint, upstream.address))
+    else:
+        removes.append(names.destination_endpoint)
+    return pb.HeaderMutation(set_headers=sets, remove_headers=removes)
+
+
+def endpoint_metadata(upstream: Upstream, namespace: str, key: str) -> Struct | None:
+    if upstream.address is None:
+        return None
+    md = Struct()
+    md.update({namespace: {key: upstream.address}})
+    return md
+
+
+def _common(mutation: pb.HeaderMutation | None, clear_route_cache: bool) -> pb.CommonResponse:
+    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+    if mutation is not None:
+        common.header_mutation.CopyFrom(mutation)
+    return common
+
+
+def request_headers(
+    mutation: pb.HeaderMutation | None = None, *, metadata: Struct | None = None
+) -> pb.ProcessingResponse:
+    resp = pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(response=_common(mutation, mutation is not None))
+    )
+    if metadata is not None:
+        resp.dynamic_metadata.CopyFrom(metadata)
+    return resp
+
+
+def request_body(
+    mutation: pb.HeaderMutation | None = None,
+    *,
+    metadata: Struct | None = None,
+    streamed: bytes | None = None,
+    end_of_stream: bool = True,
+) -> pb.ProcessingResponse:
+    """Body reply. `streamed` carries the body back to Envoy in FULL_DUPLEX_STREAMED mode, where Envoy
+    keeps no copy of what it sent us."""
+    common = _common(mutation, mutation is not None)
+    if streamed is not None:
+        common.body_mutation.streamed_response.body = streamed
+        common.body_mutation.streamed_response.end_of_stream = end_of_stream
+    resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    if metadata is not None:
+        resp.dynamic_metadata.CopyFrom(metadata)
+    return resp
+
+
+def request_trailers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+
+
+def response_headers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+
+def response_body(streamed: bytes | None = None, end_of_stream: bool = False) -> pb.ProcessingResponse:
+    common = pb.CommonResponse()
+    if streamed is not None:
+        common.body_mutation.streamed_response.body = streamed
+        common.body_mutation.streamed_response.end_of_stream = end_of_stream
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+
+
+def response_trailers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def immediate(error: RequestError) -> pb.ProcessingResponse:
+    sets = [_set("content-type", "application/json")]
+    if error.retry_after is not None:
+        sets.append(_set("retry-after", str(error.retry_after)))
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=error.status),  # type: ignore[arg-type]
+            headers=pb.HeaderMutation(set_headers=sets),
+            body=error.body(),
+            details=IMMEDIATE_DETAILS,
+        )
+    )

@@ -1,0 +1,213 @@
+"""The ext_proc stream state machine: one gRPC stream per HTTP request.
+
+BUFFERED: Envoy sends headers (we continue), then the whole body (we route in the body reply).
+FULL_DUPLEX_STREAMED: Envoy sends headers and body chunks without waiting; we hold the headers reply
+until the body is complete, then send headers (with the route) and give the body back, because in
+this mode Envoy keeps no copy. Bodyless requests are routed in the headers reply.
+
+After routing, the stream stays open while response phases arrive; the in-flight lease is released
+at the end of the response (response trailers / last body chunk) or when the stream closes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from enum import Enum, auto
+
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from extproc.lifecycle import Decision, RequestLifecycle
+from extproc.openai import RequestError, RequestHead
+from extproc.openai.errors import internal_error
+from extproc.server import responses
+
+log = logging.getLogger("extproc.stream")
+
+_FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+_STREAMED = ProcessingMode.STREAMED
+ENDPOINT_METADATA_KEY = "x-gateway-destination-endpoint"
+
+
+class Phase(Enum):
+    HEADERS = auto()
+    BODY = auto()
+    ROUTED = auto()
+    DONE = auto()
+
+
+class RequestStream:
+    """State for one ext_proc stream. `on_message` returns the replies to send, in order."""
+
+    __slots__ = (
+        "_body",
+        "_body_size",
+        "body_mode",
+        "decision",
+        "head",
+        "lifecycle",
+        "phase",
+        "response_body_mode",
+    )
+
+    def __init__(self, lifecycle: RequestLifecycle) -> None:
+        self.lifecycle = lifecycle
+        self.phase = Phase.HEADERS
+        self.body_mode: int = ProcessingMode.BUFFERED
+        self.response_body_mode: int = ProcessingMode.NONE
+        self.head: RequestHead | None = None
+        self.decision: Decision | None = None
+        self._body: list[bytes] = []
+        self._body_size = 0
+
+    def on_message(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = msg.WhichOneof("request")
+        if msg.HasField("protocol_config"):
+            self.body_mode = msg.protocol_config.request_body_mode
+            self.response_body_mode = msg.protocol_config.response_body_mode
+        try:
+            if kind == "request_headers":
+                return self._on_request_headers(msg.request_headers)
+            if kind == "request_body":
+                return self._on_request_body(msg.request_body)
+            if kind == "request_trailers":
+                return self._on_request_trailers()
+            return self._on_response(kind, msg)
+        except RequestError as err:
+            return self._reject(err)
+        except Exception:
+            log.exception("unexpected error while processing %s", kind)
+            return self._reject(internal_error())
+
+    def close(self) -> None:
+        """The stream ended (normally, or cancelled by Envoy on client disconnect)."""
+        if self.decision is not None and self.decision.lease.release():
+            self.lifecycle.metrics.releases.labels(trigger="stream_end").inc()
+        self.phase = Phase.DONE
+
+    # -- request path --------------------------------------------------------------------------
+    def _on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        if self.phase is not Phase.HEADERS:
+            raise RequestError(500, "Unexpected request headers.", err_type="server_error", code="protocol")
+        self.head = self.lifecycle.read_head(_header_map(msg))
+        if msg.end_of_stream:
+            return [self._route(None, in_headers=True)]
+        if self.body_mode == _STREAMED:
+            raise RequestError(
+                500,
+                "ext_proc request_body_mode STREAMED cannot route on the body; "
+                "use BUFFERED or FULL_DUPLEX_STREAMED.",
+                err_type="server_error",
+                code="unsupported_mode",
+            )
+        self.phase = Phase.BODY
+        if self.body_mode == _FULL_DUPLEX:
+            return []  # the headers reply waits for the body
+        return [responses.request_headers()]
+
+    def _on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.phase is not Phase.BODY:
+            raise RequestError(500, "Unexpected request body.", err_type="server_error", code="protocol")
+        if msg.body:
+            self._body.append(msg.body)
+            self._body_size += len(msg.body)
+            self.lifecycle.check_size(self._body_size)
+        if self.body_mode == _FULL_DUPLEX:
+            if not msg.end_of_stream:
+                return []
+            return self._route_full_duplex(end_of_stream=True)
+        if not msg.end_of_stream:
+            # BUFFERED_PARTIAL hands over a prefix once Envoy's buffer is full: the body is too big.
+            raise RequestError(413, "Request body exceeds the gateway buffer.", code="request_too_large")
+        return [self._route(b"".join(self._body), in_headers=False)]
+
+    def _on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        if self.phase is Phase.BODY and self.body_mode == _FULL_DUPLEX:
+            return [*self._route_full_duplex(end_of_stream=False), responses.request_trailers()]
+        return [responses.request_trailers()]
+
+    def _route_full_duplex(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        body = b"".join(self._body)
+        headers_reply = self._route(body, in_headers=True)
+        return [headers_reply, responses.request_body(streamed=body, end_of_stream=end_of_stream)]
+
+    def _route(self, body: bytes | None, *, in_headers: bool) -> pb.ProcessingResponse:
+        assert self.head is not None
+        self._body = []
+        decision = self.lifecycle.route(self.head, body)
+        self.decision = decision
+        self.phase = Phase.ROUTED
+        cfg = self.lifecycle.config
+        mutation = responses.routing_mutation(decision.upstream, cfg.headers)
+        metadata = responses.endpoint_metadata(
+            decision.upstream, cfg.endpoint_metadata_namespace, cfg.headers.destination_endpoint
+        )
+        if in_headers:
+            return responses.request_headers(mutation, metadata=metadata)
+        return responses.request_body(mutation, metadata=metadata)
+
+    # -- response path -------------------------------------------------------------------------
+    def _on_response(self, kind: str | None, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if kind == "response_headers":
+            if msg.response_headers.end_of_stream:
+                self._release_on_response_end()
+            return [responses.response_headers()]
+        if kind == "response_body":
+            if msg.response_body.end_of_stream:
+                self._release_on_response_end()
+            if self.response_body_mode == _FULL_DUPLEX:
+                return [responses.response_body(msg.response_body.body, msg.response_body.end_of_stream)]
+            return [responses.response_body()]
+        if kind == "response_trailers":
+            self._release_on_response_end()
+            return [responses.response_trailers()]
+        log.debug("ignoring ext_proc message %s", kind)
+        return []
+
+    def _release_on_response_end(self) -> None:
+        if self.decision is not None and self.decision.lease.release():
+            self.lifecycle.metrics.releases.labels(trigger="response_end").inc()
+
+    def _reject(self, err: RequestError) -> list[pb.ProcessingResponse]:
+        if self.phase is Phase.DONE:
+            return []
+        model = self.decision.request.model if self.decision is not None else None
+        if self.decision is not None:
+            self.decision.lease.release()
+        self.phase = Phase.DONE
+        self.lifecycle.rejected(err, model)
+        return [responses.immediate(err)]
+
+
+def _header_map(msg: pb.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in msg.headers.headers:
+        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        key = h.key.lower()
+        out[key] = f"{out[key]},{value}" if key in out else value
+    return out
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """grpc.aio servicer: drives one RequestStream per Envoy stream."""
+
+    def __init__(self, lifecycle: RequestLifecycle) -> None:
+        self.lifecycle = lifecycle
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: object
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = RequestStream(self.lifecycle)
+        streams = self.lifecycle.metrics.streams
+        streams.inc()
+        try:
+            async for msg in request_iterator:
+                for reply in stream.on_message(msg):
+                    yield reply
+                if stream.phase is Phase.DONE:
+                    break
+        finally:
+            stream.close()
+            streams.dec()

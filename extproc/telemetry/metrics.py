@@ -1,0 +1,87 @@
+"""Prometheus metrics. One registry per service instance, so tests can run several in one process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from extproc.fleet import Upstream
+
+UNKNOWN_MODEL = "unknown"
+
+# Decision latency is tens of microseconds to a few milliseconds; buckets cover both ends.
+_DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class Metrics:
+    def __init__(self, known_models: Iterable[str], clusters: Iterable[str]) -> None:
+        self.registry = CollectorRegistry()
+        self._known_models = frozenset(known_models)
+        self.requests = Counter(
+            "llm_extproc_requests",
+            "Requests seen by the service, by model, destination cluster and outcome.",
+            ["model", "cluster", "outcome"],
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "llm_extproc_errors",
+            "Requests answered with an error by the service, by HTTP status.",
+            ["status"],
+            registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "llm_extproc_decision_seconds",
+            "Time from the last needed request message to the routing reply (parse + schedule).",
+            buckets=_DECISION_BUCKETS,
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "llm_extproc_inflight_requests",
+            "Requests routed to a cluster and not yet finished, by this service process.",
+            ["cluster"],
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "llm_extproc_active_streams", "Open ext_proc gRPC streams.", registry=self.registry
+        )
+        self.releases = Counter(
+            "llm_extproc_releases",
+            "In-flight releases by trigger (response_end: the response finished; stream_end: the "
+            "ext_proc stream closed first, e.g. client disconnect).",
+            ["trigger"],
+            registry=self.registry,
+        )
+        for cluster in clusters:
+            self.inflight.labels(cluster=cluster).set(0)
+
+    def model_label(self, model: str | None) -> str:
+        """Only configured model names become label values: client input must not grow cardinality."""
+        if model is None:
+            return ""
+        return model if model in self._known_models else UNKNOWN_MODEL
+
+    def on_inflight_change(self, upstream: Upstream, delta: int) -> None:
+        self.inflight.labels(cluster=upstream.cluster).inc(delta)
+
+
+class MetricsServer:
+    """The /metrics HTTP endpoint, on its own thread (prometheus-client's server), off the event loop."""
+
+    def __init__(self, metrics: Metrics, listen: str) -> None:
+        host, _, port = listen.rpartition(":")
+        self._server: WSGIServer
+        self._thread: threading.Thread
+        self._server, self._thread = start_http_server(
+            int(port), addr=host.strip("[]"), registry=metrics.registry
+        )
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
