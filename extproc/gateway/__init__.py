@@ -1,0 +1,25 @@
+"""Running the gateway's real parts on loopback: Envoy and the service as processes."""
+
+from extproc.gateway.stack import (
+    ENVOY_DIR,
+    EnvoyProcess,
+    ServiceProcess,
+    ext_proc_filter,
+    find_envoy,
+    free_port,
+    load_envoy_config,
+    render_envoy_config,
+    wait_port,
+)
+
+__all__ = [
+    "ENVOY_DIR",
+    "EnvoyProcess",
+    "ServiceProcess",
+    "ext_proc_filter",
+    "find_envoy",
+    "free_port",
+    "load_envoy_config",
+    "render_envoy_config",
+    "wait_port",
+]

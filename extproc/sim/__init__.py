@@ -1,0 +1,5 @@
+"""Simulated GPU engines: OpenAI-compatible HTTP servers that stand in for real model servers."""
+
+from extproc.sim.server import SimEngine
+
+__all__ = ["SimEngine"]

@@ -1,0 +1,242 @@
+"""A simple simulated OpenAI-compatible engine: real HTTP, JSON and SSE, fixed cost per token.
+
+This is the routing core's stand-in upstream (tests and the first demo). It has no KV cache, no
+batching model and no /metrics yet: the full engine model (continuous batching, prefix cache,
+vLLM metrics) is separate work. Each engine reports who it is (`x-sim-engine` header and
+`system_fingerprint`) and what routing headers it received, so tests can see where requests landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+ROUTING_HEADERS = ("x-llm-destination-cluster", "x-gateway-destination-endpoint")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    requests: int = 0
+    active: int = 0
+    max_active: int = 0
+    completed: int = 0
+    disconnected: int = 0
+    routing_headers: list[dict[str, str]] = field(default_factory=list)
+
+
+class SimEngine:
+    """One engine on one port. `token_delay_s` is the time per output token (and per 256 prompt bytes)."""
+
+    def __init__(self, name: str, model: str, token_delay_s: float = 0.005, default_tokens: int = 16) -> None:
+        self.name = name
+        self.model = model
+        self.token_delay_s = token_delay_s
+        self.default_tokens = default_tokens
+        self.stats = EngineStats()
+        self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/embeddings", self._embeddings),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/sim/stats", self._stats),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        sockets = site._server.sockets  # type: ignore[union-attr]
+        self.port = sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- handlers ------------------------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return _error(400, "invalid JSON")
+        if not isinstance(doc, dict):
+            return _error(400, "body must be an object")
+        self._record(request)
+        n_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.default_tokens
+        n_tokens = max(1, min(int(n_tokens), 4096))
+        prompt_tokens = max(1, len(body) // 4)
+        self.stats.active += 1
+        self.stats.max_active = max(self.stats.max_active, self.stats.active)
+        try:
+            # Prefill: a cost proportional to the prompt, capped so huge test prompts stay quick.
+            await asyncio.sleep(min(self.token_delay_s * len(body) / 256, 0.5))
+            if doc.get("stream"):
+                return await self._stream(request, doc, chat, n_tokens, prompt_tokens)
+            await asyncio.sleep(self.token_delay_s * n_tokens)
+            text = " ".join(f"tok{i}" for i in range(n_tokens))
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            self.stats.completed += 1
+            return web.json_response(
+                {
+                    "id": f"sim-{uuid.uuid4().hex[:12]}",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": doc.get("model", self.model),
+                    "system_fingerprint": self.name,
+                    "choices": [choice],
+                    "usage": _usage(prompt_tokens, n_tokens),
+                },
+                headers={"x-sim-engine": self.name},
+                dumps=lambda o: orjson.dumps(o).decode(),
+            )
+        except asyncio.CancelledError:
+            self.stats.disconnected += 1
+            raise
+        finally:
+            self.stats.active -= 1
+
+    async def _stream(
+        self, request: web.Request, doc: dict[str, Any], chat: bool, n_tokens: int, prompt_tokens: int
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "content-type": "text/event-stream",
+                "cache-control": "no-cache",
+                "x-sim-engine": self.name,
+            }
+        )
+        await resp.prepare(request)
+        rid = f"sim-{uuid.uuid4().hex[:12]}"
+        model = doc.get("model", self.model)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        for i in range(n_tokens):
+            await asyncio.sleep(self.token_delay_s)
+            piece = f"tok{i} "
+            delta: dict[str, Any] = (
+                {"index": 0, "delta": {"content": piece} | ({"role": "assistant"} if i == 0 else {})}
+                if chat
+                else {"index": 0, "text": piece}
+            )
+            delta["finish_reason"] = "length" if i == n_tokens - 1 else None
+            chunk = {
+                "id": rid,
+                "object": obj,
+                "model": model,
+                "system_fingerprint": self.name,
+                "choices": [delta],
+            }
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        if (doc.get("stream_options") or {}).get("include_usage"):
+            tail = {
+                "id": rid,
+                "object": obj,
+                "model": model,
+                "choices": [],
+                "usage": _usage(prompt_tokens, n_tokens),
+            }
+            await resp.write(b"data: " + orjson.dumps(tail) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.stats.completed += 1
+        return resp
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        await request.read()
+        self._record(request)
+        await asyncio.sleep(self.token_delay_s)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.0] * 8}],
+                "model": self.model,
+            },
+            headers={"x-sim-engine": self.name},
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._record(request)
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.model, "object": "model", "owned_by": "llm-extproc-sim"}],
+            },
+            headers={"x-sim-engine": self.name},
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        s = self.stats
+        return web.json_response(
+            {
+                "name": self.name,
+                "requests": s.requests,
+                "active": s.active,
+                "max_active": s.max_active,
+                "completed": s.completed,
+                "disconnected": s.disconnected,
+                "routing_headers": s.routing_headers[-100:],
+            }
+        )
+
+    def _record(self, request: web.Request) -> None:
+        self.stats.requests += 1
+        seen = {h: request.headers[h] for h in ROUTING_HEADERS if h in request.headers}
+        self.stats.routing_headers.append(seen)
+        if len(self.stats.routing_headers) > 1000:
+            del self.stats.routing_headers[:500]
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status
+    )
+
+
+async def run_engines(host: str, first_port: int, count: int, model: str, token_delay_s: float) -> None:
+    """`llm-extproc sim`: run `count` engines on consecutive ports until interrupted."""
+    engines = [SimEngine(f"sim-{i}", model, token_delay_s) for i in range(count)]
+    for i, engine in enumerate(engines):
+        port = await engine.start(host, first_port + i if first_port else 0)
+        print(f"sim engine {engine.name} serving '{model}' on http://{host}:{port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        with contextlib.suppress(Exception):
+            for engine in engines:
+                await engine.stop()
