@@ -1,0 +1,225 @@
+"""Real Envoy -> real llm-extproc process -> simulated engines over HTTP, in both body modes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+from gateway_stack import MODEL, Engines, Stack, set_body_mode, wait_until
+
+pytestmark = pytest.mark.envoy
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module", params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def stack(request: pytest.FixtureRequest, engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(engines, tmp_path_factory.mktemp(request.param), envoy_edit=set_body_mode(request.param)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh(engines: Engines) -> None:
+    engines.reset()
+    for e in engines.engines:
+        e.token_delay_s = 0.005
+
+
+async def post(session: aiohttp.ClientSession, stack: Stack, path: str, body: object, **kw: object) -> tuple[int, dict, bytes]:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    headers = {"content-type": "application/json", **kw.pop("headers", {})}  # type: ignore[dict-item]
+    async with session.post(stack.url + path, data=data, headers=headers) as r:
+        return r.status, r.headers.copy(), await r.read()
+
+
+def engine_for(stack: Stack, headers: dict) -> str:
+    return stack.cluster_of[headers["x-sim-engine"]]
+
+
+async def test_chat_json_lands_on_chosen_cluster(stack: Stack, engines: Engines) -> None:
+    async with aiohttp.ClientSession() as s:
+        status, headers, body = await post(s, stack, "/v1/chat/completions", CHAT)
+    assert status == 200, stack.logs()
+    doc = orjson.loads(body)
+    assert doc["choices"][0]["message"]["content"] == "tok0 tok1 tok2 tok3"
+    # The engine that answered received the cluster header the service chose, naming its own cluster.
+    engine = engines.by_name(headers["x-sim-engine"])
+    assert engine.stats.routing_headers[-1] == {"x-llm-destination-cluster": engine_for(stack, headers)}
+
+
+async def test_completions_json_prompt_list(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        status, headers, body = await post(
+            s, stack, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2}
+        )
+    assert status == 200
+    assert orjson.loads(body)["choices"][0]["text"] == "tok0 tok1"
+    assert headers["x-sim-engine"] in stack.cluster_of
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_sse_stream_arrives_chunk_by_chunk(stack: Stack, engines: Engines, path: str) -> None:
+    for e in engines.engines:
+        e.token_delay_s = 0.05
+    n = 12
+    body = dict(CHAT) if "chat" in path else {"model": MODEL, "prompt": "hi"}
+    body.update(stream=True, max_tokens=n, stream_options={"include_usage": True})
+    events: list[bytes] = []
+    first_seen_while_generating = None
+    async with aiohttp.ClientSession() as s, s.post(stack.url + path, json=body) as r:
+        assert r.status == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        engine = engines.by_name(r.headers["x-sim-engine"])
+        buf = b""
+        async for chunk in r.content.iter_any():
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if first_seen_while_generating is None:
+                    # Streaming, not buffering: the first event reaches the client while the engine
+                    # is still generating the rest.
+                    first_seen_while_generating = engine.stats.active > 0
+                events.append(event)
+    assert first_seen_while_generating is True
+    assert events[-1] == b"data: [DONE]"
+    chunks = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    texts = [
+        (c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text", "")) for c in chunks if c["choices"]
+    ]
+    assert "".join(texts) == "".join(f"tok{i} " for i in range(n))
+    assert chunks[-1]["usage"]["completion_tokens"] == n
+
+
+async def test_embeddings_and_models_pass_through(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        status, headers, body = await post(s, stack, "/v1/embeddings", {"model": MODEL, "input": ["x", "y"]})
+        assert status == 200 and orjson.loads(body)["object"] == "list"
+        async with s.get(stack.url + "/v1/models") as r:
+            assert r.status == 200
+            assert orjson.loads(await r.read())["data"][0]["id"] == MODEL
+            assert r.headers["x-sim-engine"] in stack.cluster_of
+
+
+async def test_concurrent_load_uses_both_upstreams(stack: Stack, engines: Engines) -> None:
+    for e in engines.engines:
+        e.token_delay_s = 0.02
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*(post(s, stack, "/v1/chat/completions", CHAT) for _ in range(40)))
+    split = Counter(engine_for(stack, h) for status, h, _ in results if status == 200)
+    assert sum(split.values()) == 40
+    assert split["gpu-a"] >= 10 and split["gpu-b"] >= 10, split
+    assert wait_until(lambda: stack.inflight() == 0)
+
+
+async def test_slow_upstream_gets_fewer_new_requests(stack: Stack, engines: Engines) -> None:
+    slow, fast = engines.engines
+    slow.token_delay_s = 0.25  # 16 tokens: 4 s per request
+    fast.token_delay_s = 0.002
+    async with aiohttp.ClientSession() as s:
+        tasks = []
+        for _ in range(30):
+            tasks.append(asyncio.create_task(post(s, stack, "/v1/chat/completions", {**CHAT, "max_tokens": 16})))
+            await asyncio.sleep(0.03)
+        results = await asyncio.gather(*tasks)
+    split = Counter(h["x-sim-engine"] for status, h, _ in results if status == 200)
+    assert sum(split.values()) == 30
+    # Requests pile up on the slow engine, so in-flight accounting sends nearly everything else away.
+    assert split[slow.name] <= 5, split
+    assert wait_until(lambda: stack.inflight() == 0, timeout=15)
+
+
+async def test_client_disconnect_releases_inflight(stack: Stack, engines: Engines) -> None:
+    for e in engines.engines:
+        e.token_delay_s = 0.1
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(stack.url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 200})
+        assert r.status == 200
+        await r.content.readuntil(b"\n\n")
+        assert stack.inflight() == 1  # held while the response streams
+        r.close()  # the client goes away mid-stream
+    assert wait_until(lambda: stack.inflight() == 0), stack.metrics()
+    assert wait_until(lambda: sum(e.stats.disconnected for e in engines.engines) == 1)
+    assert stack.metrics()['llm_extproc_releases_total{trigger="stream_end"}'] >= 1
+
+
+async def test_spoofed_routing_headers_are_ignored(stack: Stack, engines: Engines) -> None:
+    busy, idle = engines.engines
+    busy.token_delay_s = 0.2
+    spoof_cluster = stack.cluster_of[busy.name]
+    async with aiohttp.ClientSession() as s:
+        hold = asyncio.create_task(post(s, stack, "/v1/chat/completions", {**CHAT, "max_tokens": 10}))
+        assert await asyncio.to_thread(wait_until, lambda: busy.stats.active == 1 or idle.stats.active == 1)
+        held = busy if busy.stats.active else idle
+        other = idle if held is busy else busy
+        spoof_cluster = stack.cluster_of[held.name]
+        spoof = {
+            "x-llm-destination-cluster": spoof_cluster,
+            "x-gateway-destination-endpoint": engines.address(engines.engines.index(held)),
+        }
+        status, headers, _ = await post(s, stack, "/v1/chat/completions", CHAT, headers=spoof)
+        await hold
+    assert status == 200
+    assert headers["x-sim-engine"] == other.name  # the service's choice, not the client's
+    assert other.stats.routing_headers[-1] == {"x-llm-destination-cluster": stack.cluster_of[other.name]}
+
+
+ERROR_CASES = [
+    ("malformed json", b'{"model": "sim-llama", "messages": [', {}, 400, "invalid_json"),
+    ("body not an object", b"[1, 2]", {}, 400, "invalid_json"),
+    ("missing model", {"messages": [{"role": "user", "content": "x"}]}, {}, 400, "missing_field"),
+    ("model wrong type", {"model": 7, "messages": [{"role": "user", "content": "x"}]}, {}, 400, "invalid_type"),
+    ("messages wrong type", {"model": MODEL, "messages": "hi"}, {}, 400, "invalid_type"),
+    ("stream wrong type", {**CHAT, "stream": "yes"}, {}, 400, "invalid_type"),
+    ("max_tokens wrong type", {**CHAT, "max_tokens": "10"}, {}, 400, "invalid_type"),
+    ("non-json content type", b"model=sim-llama", {"content-type": "application/x-www-form-urlencoded"}, 400,
+     "unsupported_content_type"),
+    ("bad priority header", CHAT, {"x-llm-priority": "high"}, 400, "invalid_request"),
+    ("unknown model", {**CHAT, "model": "gpt-nope"}, {}, 404, "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "headers", "status", "code"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+async def test_error_cases(stack: Stack, engines: Engines, name: str, body: object, headers: dict, status: int, code: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        got, resp_headers, raw = await post(s, stack, "/v1/chat/completions", body, headers=headers)
+        assert got == status, raw
+        assert resp_headers.get("content-type") == "application/json", resp_headers
+        err = orjson.loads(raw)["error"]
+        assert err["code"] == code and err["message"] and err["type"]
+        # The stream handler survived: the next request on the same gateway still routes.
+        ok, _, _ = await post(s, stack, "/v1/chat/completions", CHAT)
+        assert ok == 200
+    assert sum(e.stats.requests for e in engines.engines) == 1  # the bad request never reached an engine
+
+
+async def test_chat_content_parts_are_accepted(stack: Stack) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+        ],
+    }
+    async with aiohttp.ClientSession() as s:
+        status, _, _ = await post(s, stack, "/v1/chat/completions", body)
+    assert status == 200
+
+
+def test_metrics_exposed(stack: Stack) -> None:
+    m = stack.metrics()
+    routed = sum(v for k, v in m.items() if k.startswith("llm_extproc_requests_total{") and 'outcome="routed"' in k)
+    assert routed > 0
+    assert m["llm_extproc_decision_seconds_count"] >= routed
+    assert any(k.startswith('llm_extproc_errors_total{status="404"}') for k in m)
+    # Client-chosen model names never become label values.
+    assert not any("gpt-nope" in k for k in m)
+
+
+def test_stack_logs_exist(stack: Stack) -> None:
+    assert Path(stack.tmp / "envoy.log").exists()
