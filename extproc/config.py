@@ -16,6 +16,8 @@ from extproc.fleet import Pool, RoutingMode, pool_from_config
 from extproc.scheduling import DEFAULT_PROFILE, Profile, profile_from_config
 
 ENV_CONFIG = "LLM_EXTPROC_CONFIG"
+# Above the 32 MiB Envoy buffer limit in envoy/envoy.yaml; raise both together.
+DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -42,9 +44,11 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
             raise ValueError("max_body_bytes must be positive")
-        floor = self.max_body_bytes + 1024 * 1024
+        # Envoy sends a whole buffered body in one gRPC message, up to *its* buffer limit, which may
+        # exceed max_body_bytes: a receive limit below that turns an oversized body into a gRPC
+        # RESOURCE_EXHAUSTED (a 5xx at the client) instead of our JSON 413.
+        floor = max(self.max_body_bytes, DEFAULT_GRPC_MAX_MESSAGE_BYTES) + 1024 * 1024
         if self.grpc_max_message_bytes < floor:
-            # Envoy sends the whole buffered body in one gRPC message: the receive limit must exceed it.
             self.grpc_max_message_bytes = floor
 
 
