@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gateway_stack import Engines  # noqa: E402
+from gateway_stack import Engines
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,9 @@ class Stack:
             envoy_edit(cfg)
         self.envoy_config = cfg
         self.service_config = copy.deepcopy(dict(service) if service is not None else service_config())
-        self.service = ServiceProcess(self.service_config, self.service_port, tmp / "service.log", self.metrics_port)
+        self.service = ServiceProcess(
+            self.service_config, self.service_port, tmp / "service.log", self.metrics_port
+        )
         self.envoy = EnvoyProcess(cfg, self.admin_port, self.listener_port, tmp / "envoy.log")
         self.tmp = tmp
 
@@ -137,7 +139,8 @@ class Stack:
 
     def logs(self) -> str:
         return "\n".join(
-            f"--- {p.name} ---\n{p.read_text()[-4000:]}" for p in (self.tmp / "service.log", self.tmp / "envoy.log")
+            f"--- {p.name} ---\n{p.read_text()[-4000:]}"
+            for p in (self.tmp / "service.log", self.tmp / "envoy.log")
             if p.exists()
         )
 

@@ -18,8 +18,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 
 
 @pytest.fixture(scope="module", params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
-def stack(request: pytest.FixtureRequest, engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(engines, tmp_path_factory.mktemp(request.param), envoy_edit=set_body_mode(request.param)).start()
+def stack(
+    request: pytest.FixtureRequest, engines: Engines, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    s = Stack(
+        engines, tmp_path_factory.mktemp(request.param), envoy_edit=set_body_mode(request.param)
+    ).start()
     yield s
     s.stop()
 
@@ -31,7 +35,9 @@ def _fresh(engines: Engines) -> None:
         e.token_delay_s = 0.005
 
 
-async def post(session: aiohttp.ClientSession, stack: Stack, path: str, body: object, **kw: object) -> tuple[int, dict, bytes]:
+async def post(
+    session: aiohttp.ClientSession, stack: Stack, path: str, body: object, **kw: object
+) -> tuple[int, dict, bytes]:
     data = body if isinstance(body, bytes) else orjson.dumps(body)
     headers = {"content-type": "application/json", **kw.pop("headers", {})}  # type: ignore[dict-item]
     async with session.post(stack.url + path, data=data, headers=headers) as r:
@@ -90,7 +96,9 @@ async def test_sse_stream_arrives_chunk_by_chunk(stack: Stack, engines: Engines,
     assert events[-1] == b"data: [DONE]"
     chunks = [orjson.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
     texts = [
-        (c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text", "")) for c in chunks if c["choices"]
+        (c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text", ""))
+        for c in chunks
+        if c["choices"]
     ]
     assert "".join(texts) == "".join(f"tok{i} " for i in range(n))
     assert chunks[-1]["usage"]["completion_tokens"] == n
@@ -98,7 +106,7 @@ async def test_sse_stream_arrives_chunk_by_chunk(stack: Stack, engines: Engines,
 
 async def test_embeddings_and_models_pass_through(stack: Stack) -> None:
     async with aiohttp.ClientSession() as s:
-        status, headers, body = await post(s, stack, "/v1/embeddings", {"model": MODEL, "input": ["x", "y"]})
+        status, _headers, body = await post(s, stack, "/v1/embeddings", {"model": MODEL, "input": ["x", "y"]})
         assert status == 200 and orjson.loads(body)["object"] == "list"
         async with s.get(stack.url + "/v1/models") as r:
             assert r.status == 200
@@ -124,7 +132,9 @@ async def test_slow_upstream_gets_fewer_new_requests(stack: Stack, engines: Engi
     async with aiohttp.ClientSession() as s:
         tasks = []
         for _ in range(30):
-            tasks.append(asyncio.create_task(post(s, stack, "/v1/chat/completions", {**CHAT, "max_tokens": 16})))
+            tasks.append(
+                asyncio.create_task(post(s, stack, "/v1/chat/completions", {**CHAT, "max_tokens": 16}))
+            )
             await asyncio.sleep(0.03)
         results = await asyncio.gather(*tasks)
     split = Counter(h["x-sim-engine"] for status, h, _ in results if status == 200)
@@ -151,7 +161,6 @@ async def test_client_disconnect_releases_inflight(stack: Stack, engines: Engine
 async def test_spoofed_routing_headers_are_ignored(stack: Stack, engines: Engines) -> None:
     busy, idle = engines.engines
     busy.token_delay_s = 0.2
-    spoof_cluster = stack.cluster_of[busy.name]
     async with aiohttp.ClientSession() as s:
         hold = asyncio.create_task(post(s, stack, "/v1/chat/completions", {**CHAT, "max_tokens": 10}))
         assert await asyncio.to_thread(wait_until, lambda: busy.stats.active == 1 or idle.stats.active == 1)
@@ -173,19 +182,34 @@ ERROR_CASES = [
     ("malformed json", b'{"model": "sim-llama", "messages": [', {}, 400, "invalid_json"),
     ("body not an object", b"[1, 2]", {}, 400, "invalid_json"),
     ("missing model", {"messages": [{"role": "user", "content": "x"}]}, {}, 400, "missing_field"),
-    ("model wrong type", {"model": 7, "messages": [{"role": "user", "content": "x"}]}, {}, 400, "invalid_type"),
+    (
+        "model wrong type",
+        {"model": 7, "messages": [{"role": "user", "content": "x"}]},
+        {},
+        400,
+        "invalid_type",
+    ),
     ("messages wrong type", {"model": MODEL, "messages": "hi"}, {}, 400, "invalid_type"),
     ("stream wrong type", {**CHAT, "stream": "yes"}, {}, 400, "invalid_type"),
     ("max_tokens wrong type", {**CHAT, "max_tokens": "10"}, {}, 400, "invalid_type"),
-    ("non-json content type", b"model=sim-llama", {"content-type": "application/x-www-form-urlencoded"}, 400,
-     "unsupported_content_type"),
+    (
+        "non-json content type",
+        b"model=sim-llama",
+        {"content-type": "application/x-www-form-urlencoded"},
+        400,
+        "unsupported_content_type",
+    ),
     ("bad priority header", CHAT, {"x-llm-priority": "high"}, 400, "invalid_request"),
     ("unknown model", {**CHAT, "model": "gpt-nope"}, {}, 404, "model_not_found"),
 ]
 
 
-@pytest.mark.parametrize(("name", "body", "headers", "status", "code"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
-async def test_error_cases(stack: Stack, engines: Engines, name: str, body: object, headers: dict, status: int, code: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "body", "headers", "status", "code"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES]
+)
+async def test_error_cases(
+    stack: Stack, engines: Engines, name: str, body: object, headers: dict, status: int, code: str
+) -> None:
     async with aiohttp.ClientSession() as s:
         got, resp_headers, raw = await post(s, stack, "/v1/chat/completions", body, headers=headers)
         assert got == status, raw
@@ -203,7 +227,10 @@ async def test_chat_content_parts_are_accepted(stack: Stack) -> None:
         "model": MODEL,
         "messages": [
             {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
-            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}],
+            },
         ],
     }
     async with aiohttp.ClientSession() as s:
@@ -213,7 +240,9 @@ async def test_chat_content_parts_are_accepted(stack: Stack) -> None:
 
 def test_metrics_exposed(stack: Stack) -> None:
     m = stack.metrics()
-    routed = sum(v for k, v in m.items() if k.startswith("llm_extproc_requests_total{") and 'outcome="routed"' in k)
+    routed = sum(
+        v for k, v in m.items() if k.startswith("llm_extproc_requests_total{") and 'outcome="routed"' in k
+    )
     assert routed > 0
     assert m["llm_extproc_decision_seconds_count"] >= routed
     assert any(k.startswith('llm_extproc_errors_total{status="404"}') for k in m)

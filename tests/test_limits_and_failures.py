@@ -39,18 +39,25 @@ def make_stack(engines: Engines, tmp_path: Path) -> Iterator[Callable[..., Stack
 
 
 def big_chat(size: int) -> bytes:
-    return orjson.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x" * size}]})
+    return orjson.dumps(
+        {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x" * size}]}
+    )
 
 
 async def post_raw(url: str, data: Any, **headers: str) -> tuple[int, aiohttp.typedefs.LooseHeaders, bytes]:
-    async with aiohttp.ClientSession() as s, s.post(
-        url + "/v1/chat/completions", data=data, headers={"content-type": "application/json", **headers}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            url + "/v1/chat/completions", data=data, headers={"content-type": "application/json", **headers}
+        ) as r,
+    ):
         return r.status, r.headers.copy(), await r.read()
 
 
 @pytest.mark.parametrize("mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
-async def test_five_megabyte_prompt_routes_when_limit_allows(make_stack: Callable[..., Stack], mode: str) -> None:
+async def test_five_megabyte_prompt_routes_when_limit_allows(
+    make_stack: Callable[..., Stack], mode: str
+) -> None:
     stack = make_stack(service=service_config(max_body_bytes=8 * MB), envoy_edit=set_body_mode(mode))
     status, _, body = await post_raw(stack.url, big_chat(5 * MB))
     assert status == 200, body[:300]
@@ -83,16 +90,23 @@ async def test_body_over_envoy_buffer_gets_json_413(make_stack: Callable[..., St
     stack = make_stack(envoy_edit=small_buffer)
     status, headers, body = await post_raw(stack.url, _chunked(big_chat(3 * MB)))
     assert status == 413
+    assert headers["content-type"] == "application/json"
     err = orjson.loads(body)["error"]  # Envoy's own reply, given an OpenAI-style body by local_reply_config
     assert err["code"] == 413 and err["type"] == "gateway_error"
 
 
-async def test_saturated_pool_gets_503_with_retry_after(make_stack: Callable[..., Stack], engines: Engines) -> None:
+async def test_saturated_pool_gets_503_with_retry_after(
+    make_stack: Callable[..., Stack], engines: Engines
+) -> None:
     cfg = service_config(
         scheduling={
             "profile": "capped",
-            "profiles": {"capped": {"filters": [{"name": "max-inflight", "params": {"limit": 1}}],
-                                    "scorers": ["least-outstanding"]}},
+            "profiles": {
+                "capped": {
+                    "filters": [{"name": "max-inflight", "params": {"limit": 1}}],
+                    "scorers": ["least-outstanding"],
+                }
+            },
         }
     )
     stack = make_stack(service=cfg)
@@ -123,7 +137,9 @@ async def test_service_killed_fail_closed_returns_503_json(make_stack: Callable[
     assert orjson.loads(body)["error"]["type"] == "gateway_error"
 
 
-async def test_service_killed_fail_open_still_routes(make_stack: Callable[..., Stack], engines: Engines) -> None:
+async def test_service_killed_fail_open_still_routes(
+    make_stack: Callable[..., Stack], engines: Engines
+) -> None:
     def fail_open(cfg: dict[str, Any]) -> None:
         ext_proc_filter(cfg)["failure_mode_allow"] = True
 

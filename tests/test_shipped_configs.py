@@ -1,0 +1,108 @@
+"""The shipped envoy/*.yaml files are valid for Envoy 1.40 and agree with the service configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from extproc.config import load_config
+from extproc.gateway import ENVOY_DIR, ext_proc_filter, find_envoy, load_envoy_config
+
+PAIRS = [("envoy.yaml", "llm-extproc.yaml"), ("endpoint-picker.yaml", "llm-extproc-endpoint.yaml")]
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "endpoint-picker.yaml"])
+def test_envoy_validates(name: str) -> None:
+    out = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(ENVOY_DIR / name), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK" in out.stdout
+
+
+def test_envoy_rejects_a_broken_config(tmp_path) -> None:
+    """The validation above can fail: a typo in a field name is caught."""
+    cfg = load_envoy_config(ENVOY_DIR / "envoy.yaml")
+    ext_proc_filter(cfg)["processing_mode"]["request_body_mod"] = "BUFFERED"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(bad)], capture_output=True, timeout=60
+    )
+    assert out.returncode != 0
+
+
+@pytest.mark.parametrize(("envoy_file", "service_file"), PAIRS)
+def test_service_names_only_clusters_envoy_has(envoy_file: str, service_file: str) -> None:
+    envoy = load_envoy_config(ENVOY_DIR / envoy_file)
+    clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
+    service = load_config(ENVOY_DIR / service_file)
+    for spec in service.pool.clusters:
+        assert spec.name in clusters, f"{service_file} names cluster {spec.name} missing from {envoy_file}"
+        if spec.endpoints:
+            envoy_eps = {
+                f"{e['endpoint']['address']['socket_address']['address']}:"
+                f"{e['endpoint']['address']['socket_address']['port_value']}"
+                for group in clusters[spec.name]["load_assignment"]["endpoints"]
+                for e in group["lb_endpoints"]
+            }
+            assert set(spec.endpoints) == envoy_eps
+    assert ext_proc_filter(envoy)["grpc_service"]["envoy_grpc"]["cluster_name"] in clusters
+
+
+@pytest.mark.parametrize("envoy_file", ["envoy.yaml", "endpoint-picker.yaml"])
+def test_envoy_settings_the_design_requires(envoy_file: str) -> None:
+    cfg = load_envoy_config(ENVOY_DIR / envoy_file)
+    f = ext_proc_filter(cfg)
+    pm = f["processing_mode"]
+    assert pm["request_header_mode"] == "SEND"  # SKIP would route before the body is seen
+    assert pm["response_trailer_mode"] == "SEND"  # keeps the stream open until the response ends
+    assert f["mutation_rules"]["disallow_all"] is True
+    http_filters = [
+        hf["name"]
+        for hf in cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+            "http_filters"
+        ]
+    ]
+    # Client routing headers are stripped before ext_proc sees the request.
+    assert http_filters.index("envoy.filters.http.header_mutation") < http_filters.index(
+        "envoy.filters.http.ext_proc"
+    )
+    extproc_cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "llm-extproc")
+    opts = extproc_cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert "http2_protocol_options" in opts["explicit_http_config"]
+    assert extproc_cluster["circuit_breakers"]["thresholds"][0]["max_requests"] >= 10_000
+    assert "grpc_health_check" in extproc_cluster["health_checks"][0]
+
+
+@pytest.mark.parametrize("service_file", [p[1] for p in PAIRS])
+def test_check_config_cli(service_file: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc.cli", "check-config", "--config", str(ENVOY_DIR / service_file)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok:")
+
+
+def test_check_config_cli_reports_errors(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pool: {clusters: [{name: a, models: []}]}\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "extproc.cli", "check-config", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "models" in out.stderr

@@ -1,0 +1,219 @@
+"""The ext_proc stream state machine, driven with real protobuf messages and no network."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from extproc.config import config_from_dict
+from extproc.lifecycle import RequestLifecycle
+from extproc.server.stream import Phase, RequestStream
+from extproc.telemetry import Metrics
+
+POOL = {
+    "clusters": [
+        {"name": "gpu-a", "models": ["m"], "endpoints": ["127.0.0.1:1"]},
+        {"name": "gpu-b", "models": ["m"], "endpoints": ["127.0.0.1:2"]},
+    ]
+}
+CHAT = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def lifecycle(routing: str = "cluster", **extra: object) -> RequestLifecycle:
+    cfg = config_from_dict({"pool": POOL, "routing": routing, "metrics_listen": None, **extra})
+    return RequestLifecycle(cfg, Metrics(cfg.pool.models(), cfg.pool.cluster_names()))
+
+
+def headers_msg(
+    end_of_stream: bool = False,
+    mode: int = ProcessingMode.BUFFERED,
+    path: str = "/v1/chat/completions",
+    method: str = "POST",
+    **extra: str,
+) -> pb.ProcessingRequest:
+    hs = {":method": method, ":path": path, "content-type": "application/json", **extra}
+    hmap = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in hs.items()])
+    msg = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hmap, end_of_stream=end_of_stream))
+    msg.protocol_config.request_body_mode = mode
+    return msg
+
+
+def body_msg(body: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
+def set_headers(common: pb.CommonResponse) -> dict[str, str]:
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def test_buffered_routes_in_body_reply_and_holds_lease_until_close() -> None:
+    lc = lifecycle()
+    s = RequestStream(lc)
+    [r1] = s.on_message(headers_msg())
+    assert r1.WhichOneof("response") == "request_headers"
+    assert not r1.request_headers.response.HasField("header_mutation")  # just continue
+    [r2] = s.on_message(body_msg(CHAT))
+    common = r2.request_body.response
+    assert common.clear_route_cache
+    chosen = set_headers(common)["x-llm-destination-cluster"]
+    assert chosen in {"gpu-a", "gpu-b"}
+    # Cluster mode: a smuggled endpoint header is removed, and values go in raw_value only.
+    assert list(common.header_mutation.remove_headers) == ["x-gateway-destination-endpoint"]
+    assert all(h.header.value == "" for h in common.header_mutation.set_headers)
+    assert not common.HasField("body_mutation")  # buffered: Envoy keeps the body
+    assert lc.inflight.count(chosen) == 1
+    s.close()
+    assert lc.inflight.count(chosen) == 0
+    s.close()  # idempotent
+    assert lc.inflight.total() == 0
+
+
+def test_full_duplex_defers_headers_reply_and_returns_body() -> None:
+    lc = lifecycle()
+    s = RequestStream(lc)
+    assert s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED)) == []
+    assert s.on_message(body_msg(CHAT[:10], end_of_stream=False)) == []
+    r_headers, r_body = s.on_message(body_msg(CHAT[10:], end_of_stream=True))
+    assert r_headers.request_headers.response.clear_route_cache
+    assert "x-llm-destination-cluster" in set_headers(r_headers.request_headers.response)
+    streamed = r_body.request_body.response.body_mutation.streamed_response
+    assert streamed.body == CHAT and streamed.end_of_stream
+
+
+def test_full_duplex_with_trailers_ends_in_trailers_reply() -> None:
+    s = RequestStream(lifecycle())
+    s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED))
+    assert s.on_message(body_msg(CHAT, end_of_stream=False)) == []
+    replies = s.on_message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    assert [r.WhichOneof("response") for r in replies] == [
+        "request_headers",
+        "request_body",
+        "request_trailers",
+    ]
+    assert not replies[1].request_body.response.body_mutation.streamed_response.end_of_stream
+
+
+def test_bodyless_request_routes_in_headers_reply() -> None:
+    s = RequestStream(lifecycle())
+    [r] = s.on_message(headers_msg(end_of_stream=True, method="GET", path="/v1/models"))
+    assert r.request_headers.response.clear_route_cache
+    assert set_headers(r.request_headers.response)["x-llm-destination-cluster"] in {"gpu-a", "gpu-b"}
+    assert s.phase is Phase.ROUTED
+
+
+def test_chat_without_body_is_400() -> None:
+    s = RequestStream(lifecycle())
+    [r] = s.on_message(headers_msg(end_of_stream=True))
+    assert r.immediate_response.status.code == 400
+    assert orjson.loads(r.immediate_response.body)["error"]["code"] == "missing_body"
+    assert s.phase is Phase.DONE
+
+
+def test_endpoint_mode_sets_header_and_lb_metadata() -> None:
+    s = RequestStream(lifecycle(routing="endpoint"))
+    s.on_message(headers_msg())
+    [r] = s.on_message(body_msg(CHAT))
+    hs = set_headers(r.request_body.response)
+    addr = hs["x-gateway-destination-endpoint"]
+    assert addr in {"127.0.0.1:1", "127.0.0.1:2"}
+    md = r.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    assert md.string_value == addr
+
+
+def test_immediate_error_has_json_body_and_content_type() -> None:
+    s = RequestStream(lifecycle())
+    s.on_message(headers_msg())
+    [r] = s.on_message(body_msg(b"{not json"))
+    ir = r.immediate_response
+    assert ir.status.code == 400 and ir.details == "llm_extproc_rejected"
+    assert {h.header.key: h.header.raw_value for h in ir.headers.set_headers}[
+        "content-type"
+    ] == b"application/json"
+    assert s.on_message(body_msg(b"more")) == []  # after an immediate response, nothing else is answered
+
+
+def test_content_length_over_limit_rejected_at_headers() -> None:
+    s = RequestStream(lifecycle(max_body_bytes=100))
+    [r] = s.on_message(headers_msg(**{"content-length": "101"}))
+    assert r.immediate_response.status.code == 413
+
+
+def test_full_duplex_chunks_over_limit_rejected_before_the_end() -> None:
+    s = RequestStream(lifecycle(max_body_bytes=100))
+    s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED))
+    assert s.on_message(body_msg(b"x" * 60, end_of_stream=False)) == []
+    [r] = s.on_message(body_msg(b"x" * 60, end_of_stream=False))
+    assert r.immediate_response.status.code == 413
+
+
+def test_partial_buffered_body_is_413() -> None:
+    s = RequestStream(lifecycle())
+    s.on_message(headers_msg(mode=ProcessingMode.BUFFERED_PARTIAL))
+    [r] = s.on_message(body_msg(CHAT[:5], end_of_stream=False))
+    assert r.immediate_response.status.code == 413
+
+
+def test_streamed_body_mode_is_refused_clearly() -> None:
+    s = RequestStream(lifecycle())
+    [r] = s.on_message(headers_msg(mode=ProcessingMode.STREAMED))
+    assert r.immediate_response.status.code == 500
+    assert b"FULL_DUPLEX_STREAMED" in r.immediate_response.body
+
+
+def test_response_trailers_release_lease_once() -> None:
+    lc = lifecycle()
+    s = RequestStream(lc)
+    s.on_message(headers_msg())
+    s.on_message(body_msg(CHAT))
+    assert lc.inflight.total() == 1
+    [r] = s.on_message(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    assert r.WhichOneof("response") == "response_trailers"
+    assert lc.inflight.total() == 0
+    s.close()
+    assert lc.inflight.total() == 0
+    m = lc.metrics.registry
+    assert m.get_sample_value("llm_extproc_releases_total", {"trigger": "response_end"}) == 1
+    assert m.get_sample_value("llm_extproc_releases_total", {"trigger": "stream_end"}) is None
+
+
+def test_full_duplex_response_body_is_echoed() -> None:
+    lc = lifecycle()
+    s = RequestStream(lc)
+    msg = headers_msg()
+    msg.protocol_config.response_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    s.on_message(msg)
+    s.on_message(body_msg(CHAT))
+    [r] = s.on_message(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True))
+    )
+    assert r.response_body.response.body_mutation.streamed_response.body == b"data: x\n\n"
+    assert lc.inflight.total() == 0
+
+
+def test_internal_error_becomes_500_and_does_not_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    lc = lifecycle()
+
+    class Boom:
+        name = "boom"
+
+        def pick(self, *a: object) -> None:
+            raise RuntimeError("bug")
+
+    monkeypatch.setattr(lc.config.profile, "picker", Boom())
+    s = RequestStream(lc)
+    s.on_message(headers_msg())
+    [r] = s.on_message(body_msg(CHAT))
+    assert r.immediate_response.status.code == 500
+    assert b"bug" not in r.immediate_response.body  # internals are not leaked to the client
+
+
+def test_duplicate_headers_are_joined_and_keys_lowercased() -> None:
+    from extproc.server.stream import _header_map
+
+    hmap = HeaderMap(
+        headers=[HeaderValue(key="X-Session-Id", raw_value=b"a"), HeaderValue(key="x-session-id", value="b")]
+    )
+    assert _header_map(pb.HttpHeaders(headers=hmap)) == {"x-session-id": "a,b"}
