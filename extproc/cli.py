@@ -38,7 +38,10 @@ def _check(args: argparse.Namespace) -> int:
 def _sim(args: argparse.Namespace) -> int:
     from extproc.sim.server import run_engines
 
-    _run(run_engines(args.host, args.port, args.count, args.model, args.token_delay_ms / 1000.0))
+    delays = [float(x) / 1000.0 for x in str(args.token_delay_ms).split(",") if x.strip()]
+    if len(delays) == 1:
+        delays = delays * args.count
+    _run(run_engines(args.host, args.port, delays, args.model, args.max_batch))
     return 0
 
 
@@ -77,9 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("sim", help="run simulated OpenAI-compatible engines (no GPU)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001, help="first port; engine i listens on port+i")
-    p.add_argument("--count", type=int, default=2)
+    p.add_argument("--count", type=int, default=2, help="engines (when one delay is given)")
     p.add_argument("--model", default="sim-llama")
-    p.add_argument("--token-delay-ms", type=float, default=5.0)
+    p.add_argument(
+        "--token-delay-ms", default="5", help="time per output token; a comma list gives one engine per value"
+    )
+    p.add_argument(
+        "--max-batch", type=int, default=8, help="concurrent generations per engine (0: unlimited)"
+    )
     p.set_defaults(func=_sim)
 
     p = sub.add_parser("demo", help="Envoy + llm-extproc + simulated engines, side by side with round robin")

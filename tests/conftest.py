@@ -6,13 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from extproc.sim import EngineGroup
+
 sys.path.insert(0, str(Path(__file__).parent))
 
-from gateway_stack import Engines
+MODEL = "sim-llama"
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[Engines]:
-    e = Engines(2)
-    yield e
-    e.close()
+def engines() -> Iterator[EngineGroup]:
+    """Two simulated engines shared by a test module (tests reset their counters and speed)."""
+    group = EngineGroup([0.005, 0.005], MODEL)
+    yield group
+    group.close()

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 import yaml
-from gateway_stack import MODEL, Engines, Stack, wait_until
+from gateway_stack import MODEL, Stack, wait_until
 
 from extproc.gateway import ENVOY_DIR
+from extproc.sim import EngineGroup
 
 pytestmark = pytest.mark.envoy
 
@@ -19,7 +20,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 
 
 @pytest.fixture(scope="module")
-def stack(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(engines: EngineGroup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     cfg = yaml.safe_load((ENVOY_DIR / "llm-extproc-endpoint.yaml").read_text())
     cfg["pool"]["clusters"][0]["endpoints"] = [engines.address(0), engines.address(1)]
     s = Stack(
@@ -33,7 +34,7 @@ def stack(engines: Engines, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     s.stop()
 
 
-async def test_request_lands_on_picked_endpoint(stack: Stack, engines: Engines) -> None:
+async def test_request_lands_on_picked_endpoint(stack: Stack, engines: EngineGroup) -> None:
     engines.reset()
     for e in engines.engines:
         e.token_delay_s = 0.02
@@ -58,7 +59,7 @@ async def test_request_lands_on_picked_endpoint(stack: Stack, engines: Engines) 
     assert wait_until(lambda: stack.inflight() == 0)
 
 
-async def test_spoofed_endpoint_header_is_overwritten(stack: Stack, engines: Engines) -> None:
+async def test_spoofed_endpoint_header_is_overwritten(stack: Stack, engines: EngineGroup) -> None:
     engines.reset()
     busy, idle = engines.engines
     for e in engines.engines:

@@ -10,7 +10,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-from gateway_stack import MODEL, Engines, Stack, set_body_mode, wait_until
+from gateway_stack import MODEL, Stack, set_body_mode, wait_until
+
+from extproc.sim import EngineGroup
 
 pytestmark = pytest.mark.envoy
 
@@ -19,7 +21,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 
 @pytest.fixture(scope="module", params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
 def stack(
-    request: pytest.FixtureRequest, engines: Engines, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, engines: EngineGroup, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     s = Stack(
         engines, tmp_path_factory.mktemp(request.param), envoy_edit=set_body_mode(request.param)
@@ -29,7 +31,7 @@ def stack(
 
 
 @pytest.fixture(autouse=True)
-def _fresh(engines: Engines) -> None:
+def _fresh(engines: EngineGroup) -> None:
     engines.reset()
     for e in engines.engines:
         e.token_delay_s = 0.005
@@ -48,7 +50,7 @@ def engine_for(stack: Stack, headers: dict) -> str:
     return stack.cluster_of[headers["x-sim-engine"]]
 
 
-async def test_chat_json_lands_on_chosen_cluster(stack: Stack, engines: Engines) -> None:
+async def test_chat_json_lands_on_chosen_cluster(stack: Stack, engines: EngineGroup) -> None:
     async with aiohttp.ClientSession() as s:
         status, headers, body = await post(s, stack, "/v1/chat/completions", CHAT)
     assert status == 200, stack.logs()
@@ -70,7 +72,7 @@ async def test_completions_json_prompt_list(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-async def test_sse_stream_arrives_chunk_by_chunk(stack: Stack, engines: Engines, path: str) -> None:
+async def test_sse_stream_arrives_chunk_by_chunk(stack: Stack, engines: EngineGroup, path: str) -> None:
     for e in engines.engines:
         e.token_delay_s = 0.05
     n = 12
@@ -114,7 +116,7 @@ async def test_embeddings_and_models_pass_through(stack: Stack) -> None:
             assert r.headers["x-sim-engine"] in stack.cluster_of
 
 
-async def test_concurrent_load_uses_both_upstreams(stack: Stack, engines: Engines) -> None:
+async def test_concurrent_load_uses_both_upstreams(stack: Stack, engines: EngineGroup) -> None:
     for e in engines.engines:
         e.token_delay_s = 0.02
     async with aiohttp.ClientSession() as s:
@@ -125,7 +127,7 @@ async def test_concurrent_load_uses_both_upstreams(stack: Stack, engines: Engine
     assert wait_until(lambda: stack.inflight() == 0)
 
 
-async def test_slow_upstream_gets_fewer_new_requests(stack: Stack, engines: Engines) -> None:
+async def test_slow_upstream_gets_fewer_new_requests(stack: Stack, engines: EngineGroup) -> None:
     slow, fast = engines.engines
     slow.token_delay_s = 0.25  # 16 tokens: 4 s per request
     fast.token_delay_s = 0.002
@@ -144,7 +146,7 @@ async def test_slow_upstream_gets_fewer_new_requests(stack: Stack, engines: Engi
     assert wait_until(lambda: stack.inflight() == 0, timeout=15)
 
 
-async def test_client_disconnect_releases_inflight(stack: Stack, engines: Engines) -> None:
+async def test_client_disconnect_releases_inflight(stack: Stack, engines: EngineGroup) -> None:
     for e in engines.engines:
         e.token_delay_s = 0.1
     async with aiohttp.ClientSession() as s:
@@ -158,7 +160,7 @@ async def test_client_disconnect_releases_inflight(stack: Stack, engines: Engine
     assert stack.metrics()['llm_extproc_releases_total{trigger="stream_end"}'] >= 1
 
 
-async def test_spoofed_routing_headers_are_ignored(stack: Stack, engines: Engines) -> None:
+async def test_spoofed_routing_headers_are_ignored(stack: Stack, engines: EngineGroup) -> None:
     busy, idle = engines.engines
     busy.token_delay_s = 0.2
     async with aiohttp.ClientSession() as s:
@@ -208,7 +210,7 @@ ERROR_CASES = [
     ("name", "body", "headers", "status", "code"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES]
 )
 async def test_error_cases(
-    stack: Stack, engines: Engines, name: str, body: object, headers: dict, status: int, code: str
+    stack: Stack, engines: EngineGroup, name: str, body: object, headers: dict, status: int, code: str
 ) -> None:
     async with aiohttp.ClientSession() as s:
         got, resp_headers, raw = await post(s, stack, "/v1/chat/completions", body, headers=headers)

@@ -10,9 +10,10 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from gateway_stack import MODEL, Engines, Stack, service_config, set_body_mode, wait_until
+from gateway_stack import MODEL, Stack, service_config, set_body_mode, wait_until
 
 from extproc.gateway import ext_proc_filter
+from extproc.sim import EngineGroup
 
 pytestmark = pytest.mark.envoy
 
@@ -21,7 +22,7 @@ MB = 1024 * 1024
 
 
 @pytest.fixture
-def make_stack(engines: Engines, tmp_path: Path) -> Iterator[Callable[..., Stack]]:
+def make_stack(engines: EngineGroup, tmp_path: Path) -> Iterator[Callable[..., Stack]]:
     started: list[Stack] = []
     engines.reset()
     for e in engines.engines:
@@ -29,7 +30,6 @@ def make_stack(engines: Engines, tmp_path: Path) -> Iterator[Callable[..., Stack
 
     def make(**kw: Any) -> Stack:
         s = Stack(engines, tmp_path / f"stack{len(started)}", **kw)
-        (tmp_path / f"stack{len(started)}").mkdir()
         started.append(s.start())
         return s
 
@@ -72,7 +72,7 @@ async def _chunked(data: bytes, piece: int = 256 * 1024) -> AsyncIterator[bytes]
 @pytest.mark.parametrize("mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_five_megabyte_prompt_over_service_limit_is_413(
-    make_stack: Callable[..., Stack], engines: Engines, mode: str, chunked: bool
+    make_stack: Callable[..., Stack], engines: EngineGroup, mode: str, chunked: bool
 ) -> None:
     stack = make_stack(service=service_config(max_body_bytes=4 * MB), envoy_edit=set_body_mode(mode))
     payload = big_chat(5 * MB)
@@ -96,7 +96,7 @@ async def test_body_over_envoy_buffer_gets_json_413(make_stack: Callable[..., St
 
 
 async def test_saturated_pool_gets_503_with_retry_after(
-    make_stack: Callable[..., Stack], engines: Engines
+    make_stack: Callable[..., Stack], engines: EngineGroup
 ) -> None:
     cfg = service_config(
         scheduling={
@@ -138,7 +138,7 @@ async def test_service_killed_fail_closed_returns_503_json(make_stack: Callable[
 
 
 async def test_service_killed_fail_open_still_routes(
-    make_stack: Callable[..., Stack], engines: Engines
+    make_stack: Callable[..., Stack], engines: EngineGroup
 ) -> None:
     def fail_open(cfg: dict[str, Any]) -> None:
         ext_proc_filter(cfg)["failure_mode_allow"] = True
@@ -151,7 +151,7 @@ async def test_service_killed_fail_open_still_routes(
     assert all(h == {} for e in engines.engines for h in e.stats.routing_headers)
 
 
-async def test_sigterm_drains_open_streams(make_stack: Callable[..., Stack], engines: Engines) -> None:
+async def test_sigterm_drains_open_streams(make_stack: Callable[..., Stack], engines: EngineGroup) -> None:
     stack = make_stack()
     for e in engines.engines:
         e.token_delay_s = 0.05

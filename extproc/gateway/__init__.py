@@ -3,7 +3,9 @@
 from extproc.gateway.stack import (
     ENVOY_DIR,
     EnvoyProcess,
+    LocalGateway,
     ServiceProcess,
+    baseline_envoy_config,
     ext_proc_filter,
     find_envoy,
     free_port,
@@ -15,7 +17,9 @@ from extproc.gateway.stack import (
 __all__ = [
     "ENVOY_DIR",
     "EnvoyProcess",
+    "LocalGateway",
     "ServiceProcess",
+    "baseline_envoy_config",
     "ext_proc_filter",
     "find_envoy",
     "free_port",

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -224,3 +224,125 @@ class ServiceProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.terminate(5)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def baseline_envoy_config(
+    template: Mapping[str, Any],
+    *,
+    listener_port: int,
+    admin_port: int,
+    endpoints: Sequence[tuple[str, int]],
+    lb_policy: str = "ROUND_ROBIN",
+) -> dict[str, Any]:
+    """The same listener without ext_proc: one cluster of all endpoints balanced by Envoy alone.
+
+    The comparison point for benchmarks (round robin / least request) and for ext_proc overhead."""
+    cfg = copy.deepcopy(dict(template))
+    cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"] = _socket("127.0.0.1", listener_port)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    hcm["route_config"]["virtual_hosts"][0]["routes"] = [
+        {"match": {"prefix": "/"}, "route": {"cluster": "baseline", "timeout": "0s"}}
+    ]
+    cfg["static_resources"]["clusters"] = [
+        {
+            "name": "baseline",
+            "type": "STATIC",
+            "connect_timeout": "2s",
+            "lb_policy": lb_policy,
+            "circuit_breakers": {
+                "thresholds": [
+                    {"max_connections": 10000, "max_pending_requests": 10000, "max_requests": 10000}
+                ]
+            },
+            "load_assignment": {
+                "cluster_name": "baseline",
+                "endpoints": [
+                    {"lb_endpoints": [{"endpoint": {"address": _socket(h, p)}} for h, p in endpoints]}
+                ],
+            },
+        }
+    ]
+    return cfg
+
+
+class LocalGateway:
+    """The shipped envoy.yaml (addresses rewritten) in front of `llm-extproc serve`, both as processes.
+
+    `clusters` maps each Envoy cluster of the template to the loopback ports of its engines."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        clusters: Mapping[str, Sequence[int]],
+        service: Mapping[str, Any],
+        envoy_file: str = "envoy.yaml",
+        envoy_edit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.listener_port, self.admin_port = free_port(), free_port()
+        self.service_port, self.metrics_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.listener_port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        cfg = render_envoy_config(
+            load_envoy_config(ENVOY_DIR / envoy_file),
+            listener_port=self.listener_port,
+            admin_port=self.admin_port,
+            extproc=("127.0.0.1", self.service_port),
+            clusters={c: [("127.0.0.1", p) for p in ports] for c, ports in clusters.items()},
+        )
+        if envoy_edit is not None:
+            envoy_edit(cfg)
+        self.envoy_config = cfg
+        self.service_config = copy.deepcopy(dict(service))
+        self.service = ServiceProcess(
+            self.service_config, self.service_port, workdir / "service.log", self.metrics_port
+        )
+        self.envoy = EnvoyProcess(cfg, self.admin_port, self.listener_port, workdir / "envoy.log")
+
+    def start(self) -> LocalGateway:
+        self.service.start()
+        try:
+            self.envoy.start()
+            self.wait_extproc_healthy()
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def wait_extproc_healthy(self, timeout: float = 15.0) -> None:
+        """Envoy's gRPC health check has seen the service: the first request will not race it."""
+        deadline = time.monotonic() + timeout
+        marker = f"{EXT_PROC_CLUSTER}::"
+        while time.monotonic() < deadline:
+            lines = self.envoy.admin("/clusters").splitlines()
+            if any(ln.startswith(marker) and ln.endswith("::health_flags::healthy") for ln in lines):
+                return
+            time.sleep(0.1)
+        raise TimeoutError("Envoy never saw llm-extproc healthy")
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples as {'name{labels}': value}."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def logs(self) -> str:
+        parts = []
+        for p in (self.workdir / "service.log", self.workdir / "envoy.log"):
+            if p.exists():
+                parts.append(f"--- {p.name} ---\n{p.read_text()[-4000:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        self.envoy.stop()
+        self.service.stop()

@@ -32,10 +32,20 @@ class EngineStats:
 
 
 class SimEngine:
-    """One engine on one port. `token_delay_s` is the time per output token (and per 256 prompt bytes)."""
+    """One engine on one port. `token_delay_s` is the time per output token (and per 256 prompt bytes);
+    at most `max_batch` requests generate at once (0: unlimited), the rest wait in a FIFO queue, so an
+    overloaded engine gets slower the way a real one does."""
 
-    def __init__(self, name: str, model: str, token_delay_s: float = 0.005, default_tokens: int = 16) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        token_delay_s: float = 0.005,
+        default_tokens: int = 16,
+        max_batch: int = 0,
+    ) -> None:
         self.name = name
+        self._slots: asyncio.Semaphore | None = asyncio.Semaphore(max_batch) if max_batch > 0 else None
         self.model = model
         self.token_delay_s = token_delay_s
         self.default_tokens = default_tokens
@@ -84,41 +94,55 @@ class SimEngine:
             return _error(400, "body must be an object")
         self._record(request)
         n_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.default_tokens
-        n_tokens = max(1, min(int(n_tokens), 4096))
+        if not isinstance(n_tokens, int):
+            return _error(400, "max_tokens must be an integer")
+        n_tokens = max(1, min(n_tokens, 4096))
         prompt_tokens = max(1, len(body) // 4)
         self.stats.active += 1
         self.stats.max_active = max(self.stats.max_active, self.stats.active)
         try:
-            # Prefill: a cost proportional to the prompt, capped so huge test prompts stay quick.
-            await asyncio.sleep(min(self.token_delay_s * len(body) / 256, 0.5))
-            if doc.get("stream"):
-                return await self._stream(request, doc, chat, n_tokens, prompt_tokens)
-            await asyncio.sleep(self.token_delay_s * n_tokens)
-            text = " ".join(f"tok{i}" for i in range(n_tokens))
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            self.stats.completed += 1
-            return web.json_response(
-                {
-                    "id": f"sim-{uuid.uuid4().hex[:12]}",
-                    "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()),
-                    "model": doc.get("model", self.model),
-                    "system_fingerprint": self.name,
-                    "choices": [choice],
-                    "usage": _usage(prompt_tokens, n_tokens),
-                },
-                headers={"x-sim-engine": self.name},
-                dumps=lambda o: orjson.dumps(o).decode(),
-            )
+            async with self._slots or contextlib.nullcontext():
+                return await self._run(request, doc, chat, n_tokens, prompt_tokens, len(body))
         except asyncio.CancelledError:
             self.stats.disconnected += 1
             raise
         finally:
             self.stats.active -= 1
+
+    async def _run(
+        self,
+        request: web.Request,
+        doc: dict[str, Any],
+        chat: bool,
+        n_tokens: int,
+        prompt_tokens: int,
+        size: int,
+    ) -> web.StreamResponse:
+        # Prefill: a cost proportional to the prompt, capped so huge test prompts stay quick.
+        await asyncio.sleep(min(self.token_delay_s * size / 256, 0.5))
+        if doc.get("stream"):
+            return await self._stream(request, doc, chat, n_tokens, prompt_tokens)
+        await asyncio.sleep(self.token_delay_s * n_tokens)
+        text = " ".join(f"tok{i}" for i in range(n_tokens))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        self.stats.completed += 1
+        return web.json_response(
+            {
+                "id": f"sim-{uuid.uuid4().hex[:12]}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": doc.get("model", self.model),
+                "system_fingerprint": self.name,
+                "choices": [choice],
+                "usage": _usage(prompt_tokens, n_tokens),
+            },
+            headers={"x-sim-engine": self.name},
+            dumps=lambda o: orjson.dumps(o).decode(),
+        )
 
     async def _stream(
         self, request: web.Request, doc: dict[str, Any], chat: bool, n_tokens: int, prompt_tokens: int
@@ -228,9 +252,11 @@ def _error(status: int, message: str) -> web.Response:
     )
 
 
-async def run_engines(host: str, first_port: int, count: int, model: str, token_delay_s: float) -> None:
-    """`llm-extproc sim`: run `count` engines on consecutive ports until interrupted."""
-    engines = [SimEngine(f"sim-{i}", model, token_delay_s) for i in range(count)]
+async def run_engines(
+    host: str, first_port: int, delays_s: list[float], model: str, max_batch: int = 0
+) -> None:
+    """`llm-extproc sim`: one engine per delay, on consecutive ports, until interrupted."""
+    engines = [SimEngine(f"sim-{i}", model, d, max_batch=max_batch) for i, d in enumerate(delays_s)]
     for i, engine in enumerate(engines):
         port = await engine.start(host, first_port + i if first_port else 0)
         print(f"sim engine {engine.name} serving '{model}' on http://{host}:{port}", flush=True)

@@ -1,0 +1,45 @@
+"""Several simulated engines served from a private event loop on a daemon thread.
+
+Lets synchronous code (tests, the demo's orchestration) start engines, change their speed and read
+their counters while its own event loop drives load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from extproc.sim.server import SimEngine
+
+
+class EngineGroup:
+    def __init__(self, delays_s: Sequence[float], model: str, *, max_batch: int = 0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
+        self._thread.start()
+        self.engines = [
+            SimEngine(f"engine-{i}", model, d, max_batch=max_batch) for i, d in enumerate(delays_s)
+        ]
+        self.ports = [self._call(e.start("127.0.0.1", 0)) for e in self.engines]
+
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def address(self, i: int) -> str:
+        return f"127.0.0.1:{self.ports[i]}"
+
+    def by_name(self, name: str) -> SimEngine:
+        return next(e for e in self.engines if e.name == name)
+
+    def reset(self) -> None:
+        for e in self.engines:
+            e.stats.requests = e.stats.completed = e.stats.disconnected = e.stats.max_active = 0
+            e.stats.routing_headers.clear()
+
+    def close(self) -> None:
+        for e in self.engines:
+            self._call(e.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
