@@ -1,4 +1,4 @@
-"""Command line: `llm-extproc serve | sim | demo | validate-config`."""
+"""Command line: `llm-extproc serve | check-config | sim | demo | bench-overhead`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from extproc import __version__
 
@@ -46,9 +47,16 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from extproc.gateway.demo import run_demo
+    from extproc.bench.scenarios import run_demo
 
-    return _run(run_demo(requests=args.requests, concurrency=args.concurrency, engines=args.engines))
+    return _run(run_demo(requests=args.requests, rate=args.rate, out_dir=Path(args.out)))
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from extproc.bench.scenarios import run_overhead
+
+    conc = tuple(int(c) for c in args.concurrency.split(","))
+    return _run(run_overhead(requests=args.requests, concurrency=conc, out_dir=Path(args.out)))
 
 
 def _run(coro: object) -> int:
@@ -91,10 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_sim)
 
     p = sub.add_parser("demo", help="Envoy + llm-extproc + simulated engines, side by side with round robin")
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--requests", type=int, default=240)
+    p.add_argument("--rate", type=float, default=14.0, help="open-loop arrival rate, requests/s")
+    p.add_argument("--out", default="out/demo")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("bench-overhead", help="latency/throughput through Envoy with vs without llm-extproc")
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--concurrency", default="1,8", help="comma list of closed-loop concurrencies")
+    p.add_argument("--out", default="out/overhead")
+    p.set_defaults(func=_overhead)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -64,33 +64,56 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     return config_from_dict(raw, **overrides)
 
 
+# Scalar settings and their accepted types (bool is rejected where a number is expected).
+_SCALARS: dict[str, tuple[type, ...]] = {
+    "listen": (str,),
+    "metrics_listen": (str, type(None)),
+    "max_body_bytes": (int,),
+    "grpc_max_message_bytes": (int,),
+    "shutdown_grace_s": (int, float),
+    "endpoint_metadata_namespace": (str,),
+}
+
+
 def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
+    """Build and validate a config; every malformed input raises ValueError naming the key."""
     raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
-    mode = RoutingMode(raw.get("routing", RoutingMode.CLUSTER.value))
+    unknown = set(raw) - set(_SCALARS) - {"routing", "pool", "scheduling", "headers"}
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}")
+    for key, types in _SCALARS.items():
+        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], types)):
+            raise ValueError(f"config: '{key}' has the wrong type ({type(raw[key]).__name__})")
+    try:
+        mode = RoutingMode(raw.get("routing", RoutingMode.CLUSTER.value))
+    except ValueError:
+        raise ValueError(f"config: 'routing' must be one of {[m.value for m in RoutingMode]}") from None
     pool_raw = raw.get("pool")
-    if not isinstance(pool_raw, dict) or "clusters" not in pool_raw:
-        raise ValueError("config: 'pool.clusters' is required")
+    if not isinstance(pool_raw, dict) or not isinstance(pool_raw.get("clusters"), list):
+        raise ValueError("config: 'pool.clusters' is required and must be a list")
     pool = pool_from_config(pool_raw["clusters"], mode)
 
     sched = raw.get("scheduling") or {}
+    if not isinstance(sched, dict):
+        raise ValueError("config: 'scheduling' must be a mapping")
     profiles = sched.get("profiles") or {"default": DEFAULT_PROFILE}
+    if not isinstance(profiles, dict):
+        raise ValueError("config: 'scheduling.profiles' must be a mapping of name -> profile")
     chosen = sched.get("profile", "default")
     if chosen not in profiles:
         raise ValueError(f"config: scheduling profile '{chosen}' is not defined")
     profile = profile_from_config(chosen, profiles[chosen])
 
-    headers = HeaderNames(**{k: v.lower() for k, v in (raw.get("headers") or {}).items()})
-    known = {
-        "listen",
-        "metrics_listen",
-        "max_body_bytes",
-        "grpc_max_message_bytes",
-        "shutdown_grace_s",
-        "endpoint_metadata_namespace",
-    }
-    unknown = set(raw) - known - {"routing", "pool", "scheduling", "headers"}
-    if unknown:
-        raise ValueError(f"config: unknown keys {sorted(unknown)}")
+    headers_raw = raw.get("headers") or {}
+    if not isinstance(headers_raw, dict):
+        raise ValueError("config: 'headers' must be a mapping")
+    allowed = set(HeaderNames.__dataclass_fields__)
+    for key, value in headers_raw.items():
+        if key not in allowed:
+            raise ValueError(f"config: unknown header setting '{key}' (known: {sorted(allowed)})")
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"config: header name for '{key}' must be a non-empty string")
+    headers = HeaderNames(**{k: v.lower() for k, v in headers_raw.items()})
     return ServiceConfig(
-        pool=pool, profile=profile, headers=headers, **{k: raw[k] for k in known if k in raw}
+        pool=pool, profile=profile, headers=headers, **{k: raw[k] for k in _SCALARS if k in raw}
     )

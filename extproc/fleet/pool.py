@@ -7,6 +7,7 @@ path are a dict access, not a scan of the fleet.
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -92,10 +93,20 @@ def _upstreams(spec: ClusterSpec, mode: RoutingMode) -> list[Upstream]:
 
 
 def parse_endpoint(addr: str) -> str:
-    """Validate an `ip:port` (or `[v6]:port`) endpoint literal; returns it unchanged."""
+    """Validate an `ip:port` (or `[v6]:port`) literal. Envoy's override_host and ORIGINAL_DST need an IP,
+    so a host name is refused here rather than failing at request time. Returns `addr` unchanged."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"pool: endpoint '{addr}' must be ip:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        want: type = ipaddress.IPv6Address
+    else:
+        want = ipaddress.IPv4Address
+    try:
+        ip_ok = isinstance(ipaddress.ip_address(host), want)
+    except ValueError:
+        ip_ok = False
+    if not sep or not ip_ok or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"pool: endpoint '{addr}' must be ip:port (IPv6 as [addr]:port)")
     return addr
 
 

@@ -79,6 +79,8 @@ def parse_head(
             content_length = int(raw_len)
         except ValueError:
             content_length = None
+        if content_length is not None and content_length < 0:
+            content_length = None
     priority = 0
     raw_prio = headers.get(priority_header)
     if raw_prio is not None:
@@ -138,9 +140,11 @@ def parse_body(head: RequestHead, body: bytes) -> InferenceRequest:
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean.", param="stream", code="invalid_type")
 
+    # max_completion_tokens supersedes the deprecated max_tokens; both are type-checked.
+    legacy_max = _opt_int(doc, "max_tokens")
     max_tokens = _opt_int(doc, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _opt_int(doc, "max_tokens")
+        max_tokens = legacy_max
 
     user = doc.get("user")
     if user is not None and not isinstance(user, str):

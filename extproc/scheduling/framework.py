@@ -91,8 +91,8 @@ class Profile:
         """Pick one upstream, or None when the filters leave nobody."""
         for f in self.filters:
             candidates = f.filter(request, candidates, state)
-            if not candidates:
-                return None
+        if not candidates:
+            return None
         if len(candidates) == 1:
             return candidates[0]
         totals = [0.0] * len(candidates)
