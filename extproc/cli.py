@@ -68,7 +68,7 @@ def _run(coro: object) -> int:
         return asyncio.run(coro)  # type: ignore[arg-type]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
     parser.add_argument("--log-level", default="INFO")
@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="out/overhead")
     p.set_defaults(func=_overhead)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,26 @@
+"""README.md's two commands are the ones CI and users run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
+
+
+def test_readme_starts_with_demo_then_tests() -> None:
+    demo, tests = readme_commands()[:2]
+    assert demo.endswith("llm-extproc demo")
+    assert tests.endswith("python -m pytest")
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    setup, _, test = readme_commands()[1].rpartition(" && ")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert setup in ci
+    assert test in ci
+    assert "-eq 5" in ci  # "no tests collected" must fail CI
