@@ -16,6 +16,9 @@ from extproc.fleet import Pool, RoutingMode, pool_from_config
 from extproc.scheduling import DEFAULT_PROFILE, Profile, profile_from_config
 
 ENV_CONFIG = "LLM_EXTPROC_CONFIG"
+# gRPC initial metadata key naming the scheduling profile for a route; set it in envoy.yaml with
+# ExtProcPerRoute.overrides.grpc_initial_metadata.
+PROFILE_METADATA_KEY = "x-llm-profile"
 # Above the 32 MiB Envoy buffer limit in envoy/envoy.yaml; raise both together.
 DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -33,6 +36,8 @@ class HeaderNames:
 class ServiceConfig:
     pool: Pool
     profile: Profile
+    """The default profile; routes may select another from `profiles` (see PROFILE_METADATA_KEY)."""
+    profiles: dict[str, Profile] = field(default_factory=dict)
     listen: str = "127.0.0.1:9002"
     metrics_listen: str | None = "127.0.0.1:9090"
     max_body_bytes: int = 16 * 1024 * 1024
@@ -102,7 +107,7 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
     chosen = sched.get("profile", "default")
     if chosen not in profiles:
         raise ValueError(f"config: scheduling profile '{chosen}' is not defined")
-    profile = profile_from_config(chosen, profiles[chosen])
+    built = {name: profile_from_config(name, spec) for name, spec in profiles.items()}
 
     headers_raw = raw.get("headers") or {}
     if not isinstance(headers_raw, dict):
@@ -115,5 +120,9 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
             raise ValueError(f"config: header name for '{key}' must be a non-empty string")
     headers = HeaderNames(**{k: v.lower() for k, v in headers_raw.items()})
     return ServiceConfig(
-        pool=pool, profile=profile, headers=headers, **{k: raw[k] for k in _SCALARS if k in raw}
+        pool=pool,
+        profile=built[chosen],
+        profiles=built,
+        headers=headers,
+        **{k: raw[k] for k in _SCALARS if k in raw},
     )

@@ -217,3 +217,12 @@ def test_duplicate_headers_are_joined_and_keys_lowercased() -> None:
         headers=[HeaderValue(key="X-Session-Id", raw_value=b"a"), HeaderValue(key="x-session-id", value="b")]
     )
     assert _header_map(pb.HttpHeaders(headers=hmap)) == {"x-session-id": "a,b"}
+
+
+def test_route_profile_selection_falls_back_to_default() -> None:
+    lc = lifecycle(
+        scheduling={"profile": "a", "profiles": {"a": {"scorers": ["least-outstanding"]}, "b": {"scorers": []}}}
+    )
+    assert lc.profile(None).name == "a"
+    assert lc.profile("b").name == "b"
+    assert lc.profile("typo").name == "a"  # a typo in envoy.yaml must not fail requests

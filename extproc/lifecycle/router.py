@@ -5,6 +5,7 @@ Everything here is synchronous and in-memory: no network I/O happens on the requ
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,10 @@ from extproc.openai import (
 )
 from extproc.openai.errors import bad_request, body_too_large, no_upstream, unknown_model
 from extproc.openai.parse import check_content_type
+from extproc.scheduling import Profile
 from extproc.telemetry import Metrics
+
+log = logging.getLogger("extproc.lifecycle")
 
 # APIs whose requests must carry a JSON body naming a model.
 _MODEL_APIS = frozenset({Api.CHAT, Api.COMPLETION, Api.EMBEDDING})
@@ -39,9 +43,10 @@ class Decision:
 class RequestLifecycle:
     """Turns one request (headers, then maybe a body) into a Decision or a RequestError."""
 
-    __slots__ = ("config", "inflight", "metrics")
+    __slots__ = ("_warned", "config", "inflight", "metrics")
 
     def __init__(self, config: ServiceConfig, metrics: Metrics) -> None:
+        self._warned: set[str] = set()
         self.config = config
         self.metrics = metrics
         self.inflight = InFlight(metrics.on_inflight_change)
@@ -58,7 +63,24 @@ class RequestLifecycle:
         if size > self.config.max_body_bytes:
             raise body_too_large(self.config.max_body_bytes)
 
-    def route(self, head: RequestHead, body: bytes | None) -> Decision:
+    def profile(self, name: str | None) -> Profile:
+        """The profile a route asked for by name; the default when none is named or the name is unknown
+        (an unknown name is logged once: a typo in envoy.yaml must not fail requests)."""
+        if name is None:
+            return self.config.profile
+        found = self.config.profiles.get(name)
+        if found is None:
+            if name not in self._warned:
+                self._warned.add(name)
+                log.warning(
+                    "route asked for unknown scheduling profile %r; using %r",
+                    name[:64],
+                    self.config.profile.name,
+                )
+            return self.config.profile
+        return found
+
+    def route(self, head: RequestHead, body: bytes | None, profile: Profile | None = None) -> Decision:
         """Parse, admit, schedule and record one request; raises RequestError to reject it."""
         started = time.perf_counter()
         request = self._parse(head, body)
@@ -70,7 +92,7 @@ class RequestLifecycle:
         else:
             candidates = self.config.pool.everything()
         # -- schedule ------------------------------------------------------------------------------
-        upstream = self.config.profile.schedule(request, candidates, self.inflight)
+        upstream = (profile or self.config.profile).schedule(request, candidates, self.inflight)
         if upstream is None:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------

@@ -15,13 +15,16 @@ import logging
 from collections.abc import AsyncIterator
 from enum import Enum, auto
 
+import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from extproc.config import PROFILE_METADATA_KEY
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai import RequestError, RequestHead
 from extproc.openai.errors import internal_error
+from extproc.scheduling import Profile
 from extproc.server import responses
 
 log = logging.getLogger("extproc.stream")
@@ -49,11 +52,13 @@ class RequestStream:
         "head",
         "lifecycle",
         "phase",
+        "profile",
         "response_body_mode",
     )
 
-    def __init__(self, lifecycle: RequestLifecycle) -> None:
+    def __init__(self, lifecycle: RequestLifecycle, profile: Profile | None = None) -> None:
         self.lifecycle = lifecycle
+        self.profile = profile
         self.phase = Phase.HEADERS
         self.body_mode: int = ProcessingMode.BUFFERED
         self.response_body_mode: int = ProcessingMode.NONE
@@ -136,7 +141,7 @@ class RequestStream:
     def _route(self, body: bytes | None, *, in_headers: bool) -> pb.ProcessingResponse:
         assert self.head is not None
         self._body = []
-        decision = self.lifecycle.route(self.head, body)
+        decision = self.lifecycle.route(self.head, body, self.profile)
         self.decision = decision
         self.phase = Phase.ROUTED
         cfg = self.lifecycle.config
@@ -190,6 +195,13 @@ def _header_map(msg: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
+def _profile_name(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == PROFILE_METADATA_KEY:
+            return value if isinstance(value, str) else value.decode("utf-8", "replace")
+    return None
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """grpc.aio servicer: drives one RequestStream per Envoy stream."""
 
@@ -197,9 +209,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self.lifecycle = lifecycle
 
     async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: object
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = RequestStream(self.lifecycle)
+        stream = RequestStream(self.lifecycle, self.lifecycle.profile(_profile_name(context)))
         streams = self.lifecycle.metrics.streams
         streams.inc()
         try:
