@@ -221,7 +221,10 @@ def test_duplicate_headers_are_joined_and_keys_lowercased() -> None:
 
 def test_route_profile_selection_falls_back_to_default() -> None:
     lc = lifecycle(
-        scheduling={"profile": "a", "profiles": {"a": {"scorers": ["least-outstanding"]}, "b": {"scorers": []}}}
+        scheduling={
+            "profile": "a",
+            "profiles": {"a": {"scorers": ["least-outstanding"]}, "b": {"scorers": []}},
+        }
     )
     assert lc.profile(None).name == "a"
     assert lc.profile("b").name == "b"
