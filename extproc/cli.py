@@ -56,7 +56,8 @@ def _overhead(args: argparse.Namespace) -> int:
     from extproc.bench.scenarios import run_overhead
 
     conc = tuple(int(c) for c in args.concurrency.split(","))
-    return _run(run_overhead(requests=args.requests, concurrency=conc, out_dir=Path(args.out)))
+    modes = tuple(m.strip().upper() for m in args.modes.split(",") if m.strip())
+    return _run(run_overhead(requests=args.requests, concurrency=conc, modes=modes, out_dir=Path(args.out)))
 
 
 def _run(coro: object) -> int:
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-overhead", help="latency/throughput through Envoy with vs without llm-extproc")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--concurrency", default="1,8", help="comma list of closed-loop concurrencies")
+    p.add_argument("--modes", default="BUFFERED,FULL_DUPLEX_STREAMED", help="ext_proc request body modes")
     p.add_argument("--out", default="out/overhead")
     p.set_defaults(func=_overhead)
 

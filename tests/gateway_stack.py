@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from extproc.gateway import ENVOY_DIR, LocalGateway, ext_proc_filter
+from extproc.gateway import ENVOY_DIR, LocalGateway
 from extproc.sim import EngineGroup
 
 MODEL = "sim-llama"
@@ -50,16 +50,6 @@ class Stack(LocalGateway):
 
     def inflight(self) -> float:
         return sum(v for k, v in self.metrics().items() if k.startswith("llm_extproc_inflight_requests{"))
-
-
-def set_body_mode(mode: str) -> Callable[[dict[str, Any]], None]:
-    def edit(cfg: dict[str, Any]) -> None:
-        pm = ext_proc_filter(cfg)["processing_mode"]
-        pm["request_body_mode"] = mode
-        if mode == "FULL_DUPLEX_STREAMED":
-            pm["request_trailer_mode"] = "SEND"  # required by Envoy for full duplex
-
-    return edit
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:

@@ -10,8 +10,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-from gateway_stack import MODEL, Stack, set_body_mode, wait_until
+from gateway_stack import MODEL, Stack, wait_until
 
+from extproc.gateway import body_mode_edit
 from extproc.sim import EngineGroup
 
 pytestmark = pytest.mark.envoy
@@ -24,7 +25,7 @@ def stack(
     request: pytest.FixtureRequest, engines: EngineGroup, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     s = Stack(
-        engines, tmp_path_factory.mktemp(request.param), envoy_edit=set_body_mode(request.param)
+        engines, tmp_path_factory.mktemp(request.param), envoy_edit=body_mode_edit(request.param)
     ).start()
     yield s
     s.stop()

@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from gateway_stack import MODEL, Stack, service_config, set_body_mode, wait_until
+from gateway_stack import MODEL, Stack, service_config, wait_until
 
-from extproc.gateway import ext_proc_filter
+from extproc.gateway import body_mode_edit, ext_proc_filter
 from extproc.sim import EngineGroup
 
 pytestmark = pytest.mark.envoy
@@ -58,7 +58,7 @@ async def post_raw(url: str, data: Any, **headers: str) -> tuple[int, aiohttp.ty
 async def test_five_megabyte_prompt_routes_when_limit_allows(
     make_stack: Callable[..., Stack], mode: str
 ) -> None:
-    stack = make_stack(service=service_config(max_body_bytes=8 * MB), envoy_edit=set_body_mode(mode))
+    stack = make_stack(service=service_config(max_body_bytes=8 * MB), envoy_edit=body_mode_edit(mode))
     status, _, body = await post_raw(stack.url, big_chat(5 * MB))
     assert status == 200, body[:300]
     assert orjson.loads(body)["usage"]["prompt_tokens"] > MB  # the engine saw the whole prompt
@@ -74,7 +74,7 @@ async def _chunked(data: bytes, piece: int = 256 * 1024) -> AsyncIterator[bytes]
 async def test_five_megabyte_prompt_over_service_limit_is_413(
     make_stack: Callable[..., Stack], engines: EngineGroup, mode: str, chunked: bool
 ) -> None:
-    stack = make_stack(service=service_config(max_body_bytes=4 * MB), envoy_edit=set_body_mode(mode))
+    stack = make_stack(service=service_config(max_body_bytes=4 * MB), envoy_edit=body_mode_edit(mode))
     payload = big_chat(5 * MB)
     status, headers, body = await post_raw(stack.url, _chunked(payload) if chunked else payload)
     assert status == 413

@@ -20,6 +20,7 @@ from extproc.gateway import (
     EnvoyProcess,
     LocalGateway,
     baseline_envoy_config,
+    body_mode_edit,
     find_envoy,
     free_port,
     load_envoy_config,
@@ -174,25 +175,40 @@ def _three_cluster_gateway(out_dir: Path, clusters: dict[str, list[int]]) -> Loc
 
 
 async def run_overhead(
-    *, requests: int = 400, concurrency: tuple[int, ...] = (1, 8), out_dir: Path = Path("out/overhead")
+    *,
+    requests: int = 400,
+    concurrency: tuple[int, ...] = (1, 8),
+    modes: tuple[str, ...] = ("BUFFERED", "FULL_DUPLEX_STREAMED"),
+    out_dir: Path = Path("out/overhead"),
 ) -> int:
-    """Latency and throughput through Envoy with and without llm-extproc, engines answering at once."""
+    """Latency and throughput through Envoy with and without llm-extproc (one gateway per body mode),
+    engines answering at once, so the difference is the gateway's own cost."""
     find_envoy()
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     group = EngineGroup([0.0, 0.0], MODEL)
-    gateway = LocalGateway(
-        out_dir,
-        clusters={"gpu-a": [group.ports[0]], "gpu-b": [group.ports[1]]},
-        service=_service_config({"gpu-a": [], "gpu-b": []}),
-    )
+    clusters = {"gpu-a": [group.ports[0]], "gpu-b": [group.ports[1]]}
+    gateways = [
+        (
+            mode,
+            LocalGateway(
+                out_dir / mode.lower(),
+                clusters=clusters,
+                service=_service_config(clusters),
+                envoy_edit=body_mode_edit(mode),
+            ),
+        )
+        for mode in modes
+    ]
     baselines = Baselines(out_dir, group.ports, ["ROUND_ROBIN"])
     body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 3000}]}
     rows: list[dict[str, Any]] = []
     try:
-        gateway.start()
-        targets = [*baselines.start(), Target("envoy + llm-extproc", gateway.url)]
+        targets = baselines.start()
+        for mode, gw in gateways:
+            gw.start()
+            targets.append(Target(f"llm-extproc {mode.lower()}", gw.url))
         for c in concurrency:
             for t in targets:
                 await closed_loop(t.url + "/v1/chat/completions", body, 50, c)  # warm-up
@@ -200,21 +216,24 @@ async def run_overhead(
                 s = summarize(f"{t.name} (c={c})", results, wall)
                 rows.append({"target": t.name, "concurrency": c, **s.as_dict()})
                 print(
-                    f"{t.name:22s} c={c:<3d} p50 {s.e2e_p50_ms:.2f} ms  p99 {s.e2e_p99_ms:.2f} ms  "
+                    f"{t.name:34s} c={c:<3d} p50 {s.e2e_p50_ms:.2f} ms  p99 {s.e2e_p99_ms:.2f} ms  "
                     f"{s.throughput_rps:.0f} req/s  errors {s.errors}",
                     flush=True,
                 )
     finally:
         baselines.stop()
-        gateway.stop()
+        for _, gw in gateways:
+            gw.stop()
         group.close()
+    print()
     for c in concurrency:
-        base = next(r for r in rows if r["concurrency"] == c and r["target"].startswith("envoy round"))
-        ours = next(r for r in rows if r["concurrency"] == c and "llm-extproc" in r["target"])
-        print(
-            f"c={c}: added p50 latency {ours['e2e_p50_ms'] - base['e2e_p50_ms']:+.2f} ms, "
-            f"throughput ratio {ours['throughput_rps'] / base['throughput_rps']:.2f}"
-        )
+        base = next(r for r in rows if r["concurrency"] == c and r["target"].startswith("envoy"))
+        for r in rows:
+            if r["concurrency"] == c and r is not base:
+                print(
+                    f"c={c} {r['target']}: added p50 latency {r['e2e_p50_ms'] - base['e2e_p50_ms']:+.2f} ms, "
+                    f"throughput ratio {r['throughput_rps'] / base['throughput_rps']:.2f}"
+                )
     path = out_dir / "results.json"
     path.write_text(json.dumps({"scenario": "ext_proc overhead, 3 KB buffered body", "rows": rows}, indent=2))
     print(f"results: {path}")

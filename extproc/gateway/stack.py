@@ -80,6 +80,18 @@ def ext_proc_filter(config: Mapping[str, Any]) -> dict[str, Any]:
     raise KeyError("no ext_proc filter in the Envoy config")
 
 
+def body_mode_edit(mode: str) -> Callable[[dict[str, Any]], None]:
+    """An edit switching a rendered config's ext_proc request body mode (BUFFERED, FULL_DUPLEX_STREAMED)."""
+
+    def edit(cfg: dict[str, Any]) -> None:
+        pm = ext_proc_filter(cfg)["processing_mode"]
+        pm["request_body_mode"] = mode
+        if mode == "FULL_DUPLEX_STREAMED":
+            pm["request_trailer_mode"] = "SEND"  # Envoy requires it for full duplex
+
+    return edit
+
+
 def render_envoy_config(
     template: Mapping[str, Any],
     *,
