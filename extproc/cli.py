@@ -1,4 +1,4 @@
-"""Command line: `llm-extproc serve | check-config | sim | demo | bench-overhead`."""
+"""Command line: `llm-extproc serve | check-config | publish | sim | demo | bench-overhead`."""
 
 from __future__ import annotations
 
@@ -33,6 +33,31 @@ def _check(args: argparse.Namespace) -> int:
         f"ok: {len(config.pool.clusters)} clusters, models {config.pool.models()}, "
         f"profile '{config.profile.name}'"
     )
+    return 0
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from extproc.publishers.publisher import Publisher, load_publisher_config
+
+    config = load_publisher_config(
+        args.config,
+        envoy_admin=args.envoy_admin,
+        redis_url=args.redis_url,
+        redis_pool=args.pool,
+        interval_s=args.interval,
+    )
+    publisher = Publisher(config)
+
+    async def run() -> None:
+        import signal
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await publisher.run(stop)
+
+    _run(run())
     return 0
 
 
@@ -85,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="load and validate a config file, then exit")
     p.add_argument("--config", help="YAML config (default: $LLM_EXTPROC_CONFIG)")
     p.set_defaults(func=_check)
+
+    p = sub.add_parser("publish", help="scrape engine /metrics and publish fleet snapshots to Redis")
+    p.add_argument("--config", help="publisher YAML (instances, redis, interval_s, ...)")
+    p.add_argument(
+        "--envoy-admin", help="discover instances from Envoy's admin API, e.g. http://127.0.0.1:9901"
+    )
+    p.add_argument("--redis-url", help="e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS)")
+    p.add_argument("--pool", help="pool name (Redis key prefix llm-extproc:<pool>)")
+    p.add_argument("--interval", type=float, help="seconds between scrapes (default 1)")
+    p.set_defaults(func=_publish)
 
     p = sub.add_parser("sim", help="run simulated OpenAI-compatible engines (no GPU)")
     p.add_argument("--host", default="127.0.0.1")

@@ -13,12 +13,14 @@ from typing import Any
 import yaml
 
 from extproc.fleet import Pool, RoutingMode, pool_from_config
+from extproc.fleet.redis_feed import RedisSettings
 from extproc.scheduling import DEFAULT_PROFILE, Profile, profile_from_config
 
 ENV_CONFIG = "LLM_EXTPROC_CONFIG"
 # gRPC initial metadata key naming the scheduling profile for a route; set it in envoy.yaml with
 # ExtProcPerRoute.overrides.grpc_initial_metadata.
 PROFILE_METADATA_KEY = "x-llm-profile"
+ENV_REDIS_PASSWORD = "LLM_EXTPROC_REDIS_PASSWORD"
 # Above the 32 MiB Envoy buffer limit in envoy/envoy.yaml; raise both together.
 DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -45,6 +47,8 @@ class ServiceConfig:
     shutdown_grace_s: float = 30.0
     headers: HeaderNames = field(default_factory=HeaderNames)
     endpoint_metadata_namespace: str = "envoy.lb"
+    fleet: RedisSettings | None = None
+    """Live fleet state from Redis; None keeps the static pool with the service's own counts."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
@@ -83,7 +87,7 @@ _SCALARS: dict[str, tuple[type, ...]] = {
 def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
     """Build and validate a config; every malformed input raises ValueError naming the key."""
     raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
-    unknown = set(raw) - set(_SCALARS) - {"routing", "pool", "scheduling", "headers"}
+    unknown = set(raw) - set(_SCALARS) - {"routing", "pool", "scheduling", "headers", "fleet"}
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}")
     for key, types in _SCALARS.items():
@@ -120,9 +124,33 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
             raise ValueError(f"config: header name for '{key}' must be a non-empty string")
     headers = HeaderNames(**{k: v.lower() for k, v in headers_raw.items()})
     return ServiceConfig(
+        fleet=_fleet(raw.get("fleet")),
         pool=pool,
         profile=built[chosen],
         profiles=built,
         headers=headers,
         **{k: raw[k] for k in _SCALARS if k in raw},
     )
+
+
+def _fleet(raw: Any) -> RedisSettings | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError("config: 'fleet' must be a mapping")
+    allowed = set(RedisSettings.__dataclass_fields__)
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ValueError(f"config: unknown fleet keys {sorted(unknown)} (known: {sorted(allowed)})")
+    for key, value in raw.items():
+        if key == "resync_interval_s":
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError("config: 'fleet.resync_interval_s' must be a positive number")
+        elif value is not None and not isinstance(value, str):
+            raise ValueError(f"config: 'fleet.{key}' must be a string")
+    settings = RedisSettings(**raw)
+    if not settings.url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("config: 'fleet.url' must be a redis://, rediss:// or unix:// URL")
+    if settings.password is None:
+        settings.password = os.environ.get(ENV_REDIS_PASSWORD) or None
+    return settings

@@ -19,9 +19,11 @@ from extproc.config import (
 from extproc.fleet import ClusterSpec, InFlight, Lease, Pool, RoutingMode, Upstream, pool_from_config
 from extproc.fleet.pool import WILDCARD, parse_endpoint
 from extproc.scheduling.plugins import (
+    KvCacheUsageScorer,
     LeastOutstandingScorer,
     MaxInflightFilter,
     MaxScorePicker,
+    QueueDepthScorer,
     SessionAffinityScorer,
     WeightedRandomPicker,
 )
@@ -56,7 +58,11 @@ class TestConfigFromDict:
         assert cfg.headers == HeaderNames()
         assert cfg.pool.mode is RoutingMode.CLUSTER
         assert cfg.profile.name == "default"
-        assert [type(s) for s, _ in cfg.profile.scorers] == [LeastOutstandingScorer]
+        assert [type(s) for s, _ in cfg.profile.scorers] == [
+            QueueDepthScorer,
+            KvCacheUsageScorer,
+            LeastOutstandingScorer,
+        ]
         assert isinstance(cfg.profile.picker, MaxScorePicker)
 
     def test_cluster_routing_happy_path(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from extproc.fleet import InFlight, Lease, Upstream
+from extproc.fleet import InFlight, Lease, SchedulingState, Upstream
 from extproc.openai import Api, InferenceRequest
 from extproc.openai.parse import bodyless_request, parse_head
 from extproc.scheduling import (
@@ -22,9 +22,12 @@ from extproc.scheduling import (
     registered,
 )
 from extproc.scheduling.plugins import (
+    KvCacheUsageScorer,
     LeastOutstandingScorer,
     MaxInflightFilter,
     MaxScorePicker,
+    QueueDepthScorer,
+    SaturationFilter,
     SessionAffinityScorer,
     WeightedRandomPicker,
 )
@@ -40,7 +43,17 @@ def up(uid: str, weight: float = 1.0) -> Upstream:
     return Upstream(id=uid, cluster=uid, address=None, weight=weight)
 
 
-def load(state: InFlight, upstream: Upstream, n: int) -> list[Lease]:
+class State(SchedulingState):
+    """Scheduling state without a fleet view (static pool), with the test's own handle on leases."""
+
+    def __init__(self) -> None:
+        super().__init__(InFlight(), None)
+
+    def acquire(self, upstream: Upstream) -> Lease:
+        return self.inflight.acquire(upstream)
+
+
+def load(state: State, upstream: Upstream, n: int) -> list[Lease]:
     return [state.acquire(upstream) for _ in range(n)]
 
 
@@ -70,7 +83,7 @@ def direct_req(session: str | None = None, user: str | None = None) -> Inference
 
 
 def affinity_target(key: str, candidates: Sequence[Upstream]) -> Upstream:
-    scores = SessionAffinityScorer().score(req(session=key), candidates, InFlight())
+    scores = SessionAffinityScorer().score(req(session=key), candidates, State())
     assert sorted(scores) == [0.0] * (len(candidates) - 1) + [1.0]
     return candidates[list(scores).index(1.0)]
 
@@ -101,7 +114,7 @@ def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, An
 
 class TestLeastOutstanding:
     def test_min_load_one_max_load_zero(self) -> None:
-        state = InFlight()
+        state = State()
         cands = ups(4)
         for u, n in zip(cands, [3, 0, 5, 1], strict=True):
             load(state, u, n)
@@ -113,17 +126,17 @@ class TestLeastOutstanding:
         assert all(0.0 <= s <= 1.0 for s in scores)
 
     def test_all_equal_is_all_one(self) -> None:
-        state = InFlight()
+        state = State()
         cands = ups(3)
         for u in cands:
             load(state, u, 2)
         assert list(LeastOutstandingScorer().score(req(), cands, state)) == [1.0, 1.0, 1.0]
 
     def test_idle_fleet_is_all_one(self) -> None:
-        assert list(LeastOutstandingScorer().score(req(), ups(5), InFlight())) == [1.0] * 5
+        assert list(LeastOutstandingScorer().score(req(), ups(5), State())) == [1.0] * 5
 
     def test_capacity_weight_divides_load(self) -> None:
-        state = InFlight()
+        state = State()
         big, small = up("big", 4.0), up("small", 1.0)
         load(state, big, 4)  # 1 per unit of capacity
         load(state, small, 2)  # 2 per unit of capacity
@@ -131,14 +144,14 @@ class TestLeastOutstanding:
         assert list(scores) == [1.0, 0.0]
 
     def test_weighted_equal_loads_tie(self) -> None:
-        state = InFlight()
+        state = State()
         big, small = up("big", 2.0), up("small", 1.0)
         load(state, big, 4)
         load(state, small, 2)
         assert list(LeastOutstandingScorer().score(req(), [big, small], state)) == [1.0, 1.0]
 
     def test_fractional_score(self) -> None:
-        state = InFlight()
+        state = State()
         a, b, c = up("a", 4.0), up("b", 1.0), up("c", 1.0)
         load(state, a, 4)  # 1.0
         load(state, b, 2)  # 2.0
@@ -146,7 +159,7 @@ class TestLeastOutstanding:
         assert list(scores) == pytest.approx([0.5, 0.0, 1.0])
 
     def test_released_leases_lower_load(self) -> None:
-        state = InFlight()
+        state = State()
         a, b = ups(2)
         leases = load(state, a, 3)
         load(state, b, 1)
@@ -167,7 +180,7 @@ class TestMaxInflight:
         assert build("filter", "max-inflight").limit == 256
 
     def test_respects_limit(self) -> None:
-        state = InFlight()
+        state = State()
         a, b, c = ups(3)
         load(state, a, 2)
         load(state, b, 1)
@@ -175,7 +188,7 @@ class TestMaxInflight:
         assert [u.id for u in kept] == ["u1", "u2"]
 
     def test_limit_scaled_by_weight(self) -> None:
-        state = InFlight()
+        state = State()
         heavy, light, lighter, idle_light = up("heavy", 2.0), up("light"), up("half", 0.5), up("idle", 0.5)
         load(state, heavy, 3)  # 3 < 2*2 -> kept
         load(state, light, 2)  # 2 < 2*1 -> dropped
@@ -187,14 +200,14 @@ class TestMaxInflight:
         assert [u.id for u in kept] == ["idle"]
 
     def test_everyone_full(self) -> None:
-        state = InFlight()
+        state = State()
         cands = ups(3)
         for u in cands:
             load(state, u, 1)
         assert list(MaxInflightFilter(limit=1).filter(req(), cands, state)) == []
 
     def test_limit_zero_drops_all(self) -> None:
-        assert list(MaxInflightFilter(limit=0).filter(req(), ups(3), InFlight())) == []
+        assert list(MaxInflightFilter(limit=0).filter(req(), ups(3), State())) == []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,7 +219,7 @@ class TestSessionAffinity:
     def test_same_session_same_upstream(self) -> None:
         cands = ups(8)
         scorer = SessionAffinityScorer()
-        state = InFlight()
+        state = State()
         first = list(scorer.score(req(session="conv-42"), cands, state))
         assert first.count(1.0) == 1
         assert first.count(0.0) == 7
@@ -233,30 +246,30 @@ class TestSessionAffinity:
         assert sum(counts.values()) == 200
 
     def test_no_session_or_user_is_all_zero(self) -> None:
-        scores = SessionAffinityScorer().score(req(), ups(4), InFlight())
+        scores = SessionAffinityScorer().score(req(), ups(4), State())
         assert list(scores) == [0.0] * 4
-        scores = SessionAffinityScorer().score(direct_req(session="", user=""), ups(4), InFlight())
+        scores = SessionAffinityScorer().score(direct_req(session="", user=""), ups(4), State())
         assert list(scores) == [0.0] * 4
 
     def test_user_is_fallback_key(self) -> None:
         cands = ups(8)
         scorer = SessionAffinityScorer()
-        by_user = list(scorer.score(req(user="alice"), cands, InFlight()))
+        by_user = list(scorer.score(req(user="alice"), cands, State()))
         assert by_user.count(1.0) == 1
-        assert list(scorer.score(req(session="alice"), cands, InFlight())) == by_user
+        assert list(scorer.score(req(session="alice"), cands, State())) == by_user
 
     def test_session_takes_precedence_over_user(self) -> None:
         cands = ups(8)
         scorer = SessionAffinityScorer()
         # find a session and a user that hash to different upstreams
-        user_pick = list(scorer.score(req(user="alice"), cands, InFlight()))
+        user_pick = list(scorer.score(req(user="alice"), cands, State()))
         session = next(
             f"s{i}"
             for i in range(100)
-            if list(scorer.score(req(session=f"s{i}"), cands, InFlight())) != user_pick
+            if list(scorer.score(req(session=f"s{i}"), cands, State())) != user_pick
         )
-        both = list(scorer.score(req(session=session, user="alice"), cands, InFlight()))
-        assert both == list(scorer.score(req(session=session), cands, InFlight()))
+        both = list(scorer.score(req(session=session, user="alice"), cands, State()))
+        assert both == list(scorer.score(req(session=session), cands, State()))
         assert both != user_pick
 
     def test_stable_when_unrelated_upstream_removed(self) -> None:
@@ -282,7 +295,7 @@ class TestSessionAffinity:
         assert sum(1 for k in before if after[k] != before[k]) < 0.25 * len(before)
 
     def test_single_candidate(self) -> None:
-        assert list(SessionAffinityScorer().score(req(session="s"), ups(1), InFlight())) == [1.0]
+        assert list(SessionAffinityScorer().score(req(session="s"), ups(1), State())) == [1.0]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,7 +378,7 @@ class TestWeightedRandomPicker:
 
 class TestProfile:
     def test_filters_removing_everyone_gives_none(self) -> None:
-        state = InFlight()
+        state = State()
         cands = ups(3)
         for u in cands:
             load(state, u, 2)
@@ -378,7 +391,7 @@ class TestProfile:
         assert profile.schedule(req(), cands, state) is None
 
     def test_filters_apply_in_order_and_narrow(self) -> None:
-        state = InFlight()
+        state = State()
         a, b, c = ups(3)
         load(state, a, 5)
         load(state, b, 3)
@@ -399,10 +412,10 @@ class TestProfile:
             scorers=((Exploding(), 1.0),),  # type: ignore[arg-type]
             picker=Exploding(),  # type: ignore[arg-type]
         )
-        assert profile.schedule(req(), [only], InFlight()) is only
+        assert profile.schedule(req(), [only], State()) is only
 
     def test_single_survivor_of_filters_short_circuits(self) -> None:
-        state = InFlight()
+        state = State()
         a, b = ups(2)
         load(state, a, 1)
         profile = Profile(
@@ -414,7 +427,7 @@ class TestProfile:
         assert profile.schedule(req(), [a, b], state) is b
 
     def test_least_outstanding_picks_idle(self) -> None:
-        state = InFlight()
+        state = State()
         cands = ups(4)
         for u, n in zip(cands, [2, 1, 0, 3], strict=True):
             load(state, u, n)
@@ -422,7 +435,7 @@ class TestProfile:
         assert profile.schedule(req(), cands, state) == cands[2]
 
     def test_spreads_as_leases_accumulate(self) -> None:
-        state = InFlight()
+        state = State()
         cands = ups(4)
         profile = profile_from_config("default", DEFAULT_PROFILE)
         for _ in range(40):
@@ -436,7 +449,7 @@ class TestProfile:
         session = "sticky-session"
         home = affinity_target(session, cands)
         other = next(u for u in cands if u != home)
-        state = InFlight()
+        state = State()
         load(state, home, 3)  # home is busier: least-outstanding prefers `other`
         return cands, home, other, state, session
 
@@ -480,12 +493,12 @@ class TestProfile:
     def test_no_scorers_picks_randomly_among_all(self) -> None:
         profile = profile_from_config("p", {"picker": {"name": "max-score", "params": {"seed": 11}}})
         cands = ups(3)
-        picked = Counter(profile.schedule(req(), cands, InFlight()).id for _ in range(300))  # type: ignore[union-attr]
+        picked = Counter(profile.schedule(req(), cands, State()).id for _ in range(300))  # type: ignore[union-attr]
         assert set(picked) == {"u0", "u1", "u2"}
 
     def test_empty_candidates_without_filters_is_none(self) -> None:
         profile = profile_from_config("default", DEFAULT_PROFILE)
-        assert profile.schedule(req(), [], InFlight()) is None
+        assert profile.schedule(req(), [], State()) is None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -543,7 +556,12 @@ class TestProfileFromConfig:
 
     def test_default_profile(self) -> None:
         profile = profile_from_config("default", DEFAULT_PROFILE)
-        assert [(type(s), w) for s, w in profile.scorers] == [(LeastOutstandingScorer, 1.0)]
+        assert [(type(s), w) for s, w in profile.scorers] == [
+            (QueueDepthScorer, 1.0),
+            (KvCacheUsageScorer, 0.5),
+            (LeastOutstandingScorer, 0.5),
+        ]
+        assert [type(f) for f in profile.filters] == [SaturationFilter]
         assert isinstance(profile.picker, MaxScorePicker)
 
     @pytest.mark.parametrize("weight", [-1, -0.001, True, "1", None, [1]])
@@ -606,12 +624,19 @@ class TestProfileFromConfig:
 
 class TestRegistry:
     def test_registered_lists_builtins_sorted(self) -> None:
-        assert registered("filter") == ["max-inflight"]
-        assert registered("scorer") == ["least-outstanding", "session-affinity"]
-        assert registered("picker") == ["max-score", "weighted-random"]
+        assert registered("filter") == ["max-inflight", "saturation"]
+        assert registered("scorer") == [
+            "kv-cache-usage",
+            "least-outstanding",
+            "queue-depth",
+            "session-affinity",
+        ]
+        assert registered("picker") == ["max-score", "weighted-random", "weighted-round-robin"]
 
     def test_build_unknown_kind_or_name(self) -> None:
-        with pytest.raises(ValueError, match=r"unknown scorer 'nope' \(known: least-outstanding"):
+        with pytest.raises(
+            ValueError, match=r"unknown scorer 'nope' \(known: kv-cache-usage, least-outstanding"
+        ):
             build("scorer", "nope")
 
     def test_register_duplicate_rejected(self, isolated_registry: dict[str, dict[str, Any]]) -> None:
@@ -643,7 +668,7 @@ class TestRegistry:
         assert factory is Prefer
         assert "test-prefer" in registered("scorer")
         profile = profile_from_config("p", {"scorers": [{"name": "test-prefer", "params": {"target": "u2"}}]})
-        assert profile.schedule(req(), ups(4), InFlight()) == up("u2")
+        assert profile.schedule(req(), ups(4), State()) == up("u2")
         # same name, other kind is fine
         register("filter", "test-prefer")(Prefer)
         with pytest.raises(ValueError, match="registered twice"):

@@ -358,3 +358,53 @@ class LocalGateway:
     def stop(self) -> None:
         self.envoy.stop()
         self.service.stop()
+
+
+class RedisProcess:
+    """A throwaway `redis-server` on a loopback port (no persistence), stoppable and restartable on the
+    same port so tests can take Redis away and bring it back."""
+
+    def __init__(self, log_path: Path, port: int | None = None, password: str | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise FileNotFoundError(
+                "redis-server not found: install it (Debian/Ubuntu: apt-get install redis-server)"
+            )
+        self.binary = binary
+        self.port = port or free_port()
+        self.password = password
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisProcess:
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_port("127.0.0.1", self.port, timeout)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import orjson
 
 from extproc.config import ServiceConfig
-from extproc.fleet import InFlight, Lease, Upstream
+from extproc.fleet import FleetView, InFlight, Lease, SchedulingState, Upstream
 from extproc.openai import (
     Api,
     InferenceRequest,
@@ -24,7 +24,7 @@ from extproc.openai import (
 )
 from extproc.openai.errors import bad_request, body_too_large, no_upstream, unknown_model
 from extproc.openai.parse import check_content_type
-from extproc.scheduling import Profile
+from extproc.scheduling import FALLBACK_PROFILE, Profile, profile_from_config
 from extproc.telemetry import Metrics
 
 log = logging.getLogger("extproc.lifecycle")
@@ -43,13 +43,16 @@ class Decision:
 class RequestLifecycle:
     """Turns one request (headers, then maybe a body) into a Decision or a RequestError."""
 
-    __slots__ = ("_warned", "config", "inflight", "metrics")
+    __slots__ = ("_warned", "config", "fallback", "inflight", "metrics", "state", "view")
 
-    def __init__(self, config: ServiceConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ServiceConfig, metrics: Metrics, view: FleetView | None = None) -> None:
         self._warned: set[str] = set()
         self.config = config
         self.metrics = metrics
         self.inflight = InFlight(metrics.on_inflight_change)
+        self.view = view
+        self.state = SchedulingState(self.inflight, view)
+        self.fallback = profile_from_config("fallback", FALLBACK_PROFILE)
 
     # -- parse -----------------------------------------------------------------------------------
     def read_head(self, headers: dict[str, str]) -> RequestHead:
@@ -85,23 +88,43 @@ class RequestLifecycle:
         started = time.perf_counter()
         request = self._parse(head, body)
         # -- admit ---------------------------------------------------------------------------------
-        if request.model is not None:
-            candidates = self.config.pool.candidates(request.model)
-            if candidates is None:
-                raise unknown_model(request.model)
-        else:
-            candidates = self.config.pool.everything()
+        profile = profile or self.config.profile
+        candidates = self._candidates(request.model)
+        if candidates is None:
+            profile = self.fallback
+            candidates = self.config.pool.candidates(request.model)  # type: ignore[arg-type]
+            self.metrics.fallbacks.labels(reason="no_fresh_snapshot").inc()
+            if not candidates:
+                raise no_upstream(request.model)
         # -- schedule ------------------------------------------------------------------------------
-        upstream = (profile or self.config.profile).schedule(request, candidates, self.inflight)
+        upstream = profile.schedule(request, candidates, self.state)
         if upstream is None:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------
         lease = self.inflight.acquire(upstream)
+        if self.view is not None:
+            self.state.recent.record(upstream.id, time.time())
         self.metrics.requests.labels(
             model=self.metrics.model_label(request.model), cluster=upstream.cluster, outcome="routed"
         ).inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         return Decision(request=request, upstream=upstream, lease=lease)
+
+    def _candidates(self, model: str | None) -> tuple[Upstream, ...] | None:
+        """Who may serve `model`. Live snapshots decide when fresh ones exist for the model (an empty
+        tuple then means none is ready: 503); None asks for the stale-data fallback over the static
+        pool. Raises 404 for a model neither the pool nor any fresh snapshot serves."""
+        static = self.config.pool.candidates(model) if model is not None else self.config.pool.everything()
+        if self.view is None or model is None:
+            if static is None:
+                raise unknown_model(model or "")
+            return static
+        live = self.view.candidates(model)
+        if live is not None:
+            return live
+        if static is None:
+            raise unknown_model(model)
+        return None
 
     def rejected(self, error: RequestError, model: str | None = None) -> None:
         self.metrics.errors.labels(status=str(error.status)).inc()

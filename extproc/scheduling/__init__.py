@@ -10,13 +10,24 @@ from extproc.scheduling.framework import (
     registered,
 )
 
+# Used when the config defines no profile. Without live fleet state, load() is None everywhere and
+# this reduces to least-outstanding-requests on the service's own counts.
 DEFAULT_PROFILE = {
-    "scorers": [{"name": "least-outstanding", "weight": 1.0}],
+    "filters": ["saturation"],
+    "scorers": [
+        {"name": "queue-depth", "weight": 1.0},
+        {"name": "kv-cache-usage", "weight": 0.5},
+        {"name": "least-outstanding", "weight": 0.5},
+    ],
     "picker": "max-score",
 }
 
+# Used for a model whose snapshots are all stale (or absent while a fleet view is configured).
+FALLBACK_PROFILE = {"picker": "weighted-round-robin"}
+
 __all__ = [
     "DEFAULT_PROFILE",
+    "FALLBACK_PROFILE",
     "FleetState",
     "Profile",
     "build",

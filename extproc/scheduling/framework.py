@@ -10,14 +10,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from extproc.fleet import Upstream
+from extproc.fleet import Load, Upstream
 from extproc.openai import InferenceRequest
 
 
 class FleetState(Protocol):
-    """What plugins may read about upstreams. Today: the service's own in-flight counts."""
+    """What plugins may read about upstreams (implemented by extproc.fleet.SchedulingState)."""
 
-    def count(self, upstream_id: str) -> int: ...
+    def count(self, upstream_id: str) -> int:
+        """Requests this process routed there and has not seen finish."""
+        ...
+
+    def load(self, upstream_id: str) -> Load | None:
+        """The engines' last published load, or None without a fresh snapshot."""
+        ...
+
+    def pending(self, upstream_id: str) -> int:
+        """Requests sent there that the last snapshot does not include yet."""
+        ...
 
 
 class Filter(Protocol):

@@ -36,12 +36,78 @@ class LeastOutstandingScorer:
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[float]:
-        loads = [state.count(u.id) / u.weight for u in candidates]
-        lo, hi = min(loads), max(loads)
-        if hi == lo:
-            return [1.0] * len(loads)
-        span = hi - lo
-        return [(hi - x) / span for x in loads]
+        return _inverse_minmax([state.count(u.id) / u.weight for u in candidates])
+
+
+@register("filter", "saturation")
+@dataclass(slots=True)
+class SaturationFilter:
+    """Drops upstreams whose engines report a nearly full KV cache or a long queue (defaults as in the
+    seed routers: KV < 0.9, queue < 100). When that would drop everyone, keeps everyone: the
+    least-loaded of a saturated fleet is still the best answer unless the profile sheds."""
+
+    kv_cache_max: float = 0.9
+    queue_max: int = 100
+    keep_all_if_empty: bool = True
+    name: str = "saturation"
+
+    def filter(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> Sequence[Upstream]:
+        kept = []
+        for u in candidates:
+            load = state.load(u.id)
+            if load is None or (
+                load.kv_cache_usage < self.kv_cache_max and load.num_waiting / u.weight < self.queue_max
+            ):
+                kept.append(u)
+        if not kept and self.keep_all_if_empty:
+            return candidates
+        return kept
+
+
+@register("scorer", "queue-depth")
+@dataclass(slots=True)
+class QueueDepthScorer:
+    """Fewest queued requests per unit of capacity: the engine's waiting queue plus what this process
+    sent since that figure was published (own in-flight when there is no snapshot). Min-max scaled."""
+
+    name: str = "queue-depth"
+
+    def score(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> Sequence[float]:
+        depths = []
+        for u in candidates:
+            load = state.load(u.id)
+            queued = state.pending(u.id) + (load.num_waiting if load is not None else 0)
+            depths.append(queued / u.weight)
+        return _inverse_minmax(depths)
+
+
+@register("scorer", "kv-cache-usage")
+@dataclass(slots=True)
+class KvCacheUsageScorer:
+    """Emptiest KV cache: 1 - usage. 0.5 for upstreams without a snapshot (no information)."""
+
+    name: str = "kv-cache-usage"
+
+    def score(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> Sequence[float]:
+        out = []
+        for u in candidates:
+            load = state.load(u.id)
+            out.append(0.5 if load is None else 1.0 - load.kv_cache_usage)
+        return out
+
+
+def _inverse_minmax(values: Sequence[float]) -> list[float]:
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(hi - x) / span for x in values]
 
 
 @register("scorer", "session-affinity")
@@ -104,3 +170,28 @@ class WeightedRandomPicker:
         if sum(scores) <= 0:
             return self._rng.choice(list(candidates))
         return self._rng.choices(list(candidates), weights=list(scores), k=1)[0]
+
+
+@register("picker", "weighted-round-robin")
+@dataclass(slots=True)
+class WeightedRoundRobinPicker:
+    """Smooth weighted round robin by capacity weight, ignoring scores: the fallback when no fresh
+    fleet information exists (every request still succeeds, spread by configured capacity)."""
+
+    name: str = "weighted-round-robin"
+    _current: dict[str, float] = field(init=False, default_factory=dict)
+
+    def pick(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
+    ) -> Upstream:
+        total = 0.0
+        best: Upstream | None = None
+        for u in candidates:
+            cur = self._current.get(u.id, 0.0) + u.weight
+            self._current[u.id] = cur
+            total += u.weight
+            if best is None or cur > self._current[best.id]:
+                best = u
+        assert best is not None
+        self._current[best.id] -= total
+        return best

@@ -12,6 +12,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.config import ServiceConfig
+from extproc.fleet import FleetView
+from extproc.fleet.redis_feed import RedisFeed
 from extproc.lifecycle import RequestLifecycle
 from extproc.server.stream import ExternalProcessor
 from extproc.telemetry import Metrics, MetricsServer
@@ -29,18 +31,26 @@ class RunningService:
     lifecycle: RequestLifecycle
     metrics: Metrics
     metrics_server: MetricsServer | None
+    feed: RedisFeed | None = None
 
     async def stop(self, grace: float) -> None:
         """Stop accepting streams, let open ones finish for up to `grace` seconds, then cancel them."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.feed is not None:
+            await self.feed.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
 
 
 async def start(config: ServiceConfig) -> RunningService:
     metrics = Metrics(config.pool.models(), config.pool.cluster_names())
-    lifecycle = RequestLifecycle(config, metrics)
+    view = FleetView(config.pool) if config.fleet is not None else None
+    lifecycle = RequestLifecycle(config, metrics, view)
+    feed = None
+    if config.fleet is not None and view is not None:
+        feed = RedisFeed(config.fleet, view, metrics)
+        feed.start()
     limit = config.grpc_max_message_bytes
     server = grpc.aio.server(
         options=[
@@ -70,7 +80,7 @@ async def start(config: ServiceConfig) -> RunningService:
         len(config.pool.clusters),
         ", ".join(config.pool.models()) or "*",
     )
-    return RunningService(server, port, health_servicer, lifecycle, metrics, metrics_server)
+    return RunningService(server, port, health_servicer, lifecycle, metrics, metrics_server, feed)
 
 
 async def serve(config: ServiceConfig) -> None:

@@ -17,14 +17,17 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
 
+SIM_GPU_BLOCKS = 4096
 ROUTING_HEADERS = ("x-llm-destination-cluster", "x-gateway-destination-endpoint")
 
 
 @dataclass(slots=True)
 class EngineStats:
     requests: int = 0
-    active: int = 0
+    active: int = 0  # admitted: generating or queued
+    running: int = 0  # generating (holding a batch slot)
     max_active: int = 0
     completed: int = 0
     disconnected: int = 0
@@ -45,11 +48,13 @@ class SimEngine:
         max_batch: int = 0,
     ) -> None:
         self.name = name
+        self.ready = True  # /health answers 503 while False (model "loading")
         self._slots: asyncio.Semaphore | None = asyncio.Semaphore(max_batch) if max_batch > 0 else None
         self.model = model
         self.token_delay_s = token_delay_s
         self.default_tokens = default_tokens
         self.stats = EngineStats()
+        self._setup_metrics(max_batch)
         self.app = web.Application(client_max_size=256 * 1024 * 1024)
         self.app.add_routes(
             [
@@ -58,6 +63,7 @@ class SimEngine:
                 web.post("/v1/embeddings", self._embeddings),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
                 web.get("/sim/stats", self._stats),
             ]
         )
@@ -100,9 +106,14 @@ class SimEngine:
         prompt_tokens = max(1, len(body) // 4)
         self.stats.active += 1
         self.stats.max_active = max(self.stats.max_active, self.stats.active)
+        arrived = time.perf_counter()
         try:
             async with self._slots or contextlib.nullcontext():
-                return await self._run(request, doc, chat, n_tokens, prompt_tokens, len(body))
+                self.stats.running += 1
+                try:
+                    return await self._run(request, doc, chat, n_tokens, prompt_tokens, len(body), arrived)
+                finally:
+                    self.stats.running -= 1
         except asyncio.CancelledError:
             self.stats.disconnected += 1
             raise
@@ -117,9 +128,11 @@ class SimEngine:
         n_tokens: int,
         prompt_tokens: int,
         size: int,
+        arrived: float,
     ) -> web.StreamResponse:
         # Prefill: a cost proportional to the prompt, capped so huge test prompts stay quick.
         await asyncio.sleep(min(self.token_delay_s * size / 256, 0.5))
+        self._ttft.observe(time.perf_counter() - arrived + self.token_delay_s)
         if doc.get("stream"):
             return await self._stream(request, doc, chat, n_tokens, prompt_tokens)
         await asyncio.sleep(self.token_delay_s * n_tokens)
@@ -213,7 +226,57 @@ class SimEngine:
         )
 
     async def _health(self, request: web.Request) -> web.Response:
+        if not self.ready:
+            return web.Response(status=503, text="loading")
         return web.Response(text="ok")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"content-type": CONTENT_TYPE_LATEST}
+        )
+
+    def _setup_metrics(self, max_batch: int) -> None:
+        """vLLM's metric names and labels, so publishers scrape the simulator exactly like vLLM.
+        KV usage is approximated as the share of batch slots in use: this engine has no KV cache model."""
+        labels = {"model_name": self.model, "engine": "0"}
+        self.registry = CollectorRegistry()
+        running = Gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            list(labels),
+            registry=self.registry,
+        )
+        running.labels(**labels).set_function(lambda: self.stats.running)
+        waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            list(labels),
+            registry=self.registry,
+        )
+        waiting.labels(**labels).set_function(lambda: self.stats.active - self.stats.running)
+        kv = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            list(labels),
+            registry=self.registry,
+        )
+        slots = max_batch or 64
+        kv.labels(**labels).set_function(lambda: min(1.0, self.stats.running / slots))
+        info_labels = {**labels, "block_size": "16", "num_gpu_blocks": str(SIM_GPU_BLOCKS)}
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info_labels),
+            registry=self.registry,
+        )
+        info.labels(**info_labels).set(1)
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            list(labels),
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        ).labels(**labels)
 
     async def _stats(self, request: web.Request) -> web.Response:
         s = self.stats

@@ -54,6 +54,39 @@ class Metrics:
             ["trigger"],
             registry=self.registry,
         )
+        self.fallbacks = Counter(
+            "llm_extproc_fallbacks",
+            "Requests routed by weighted round robin over the static pool because no fresh snapshot "
+            "exists for the model.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.snapshots = Counter(
+            "llm_extproc_snapshots",
+            "Snapshots read from Redis, by outcome (accepted, outdated, rejected) and rejection reason.",
+            ["outcome", "reason"],
+            registry=self.registry,
+        )
+        self.snapshot_age = Gauge(
+            "llm_extproc_snapshot_age_seconds",
+            "Age of the newest snapshot held per upstream instance.",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.fleet_instances = Gauge(
+            "llm_extproc_fleet_instances",
+            "Instances in the fleet view by state (fresh_ready, fresh_not_ready, stale).",
+            ["state"],
+            registry=self.registry,
+        )
+        self.redis_connected = Gauge(
+            "llm_extproc_redis_connected",
+            "1 while the fleet feed is connected to Redis.",
+            registry=self.registry,
+        )
+        self.redis_reconnects = Counter(
+            "llm_extproc_redis_reconnects", "Fleet feed reconnections to Redis.", registry=self.registry
+        )
         for cluster in clusters:
             self.inflight.labels(cluster=cluster).set(0)
 

@@ -1,0 +1,181 @@
+"""Follow the fleet's snapshots in Redis: load every key at start, then the pub/sub channel, with a
+periodic resync and a resync after every reconnect. Runs as a background task; the request path
+never waits on it, and a Redis outage only ages the view until snapshots go stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from extproc.fleet.snapshots import SnapshotRejected, decode
+from extproc.fleet.view import FleetView
+from extproc.telemetry import Metrics
+
+log = logging.getLogger("extproc.fleet")
+
+REBUILD_EVERY_S = 0.05  # coalesce bursts of snapshots into one rebuild
+EXPIRY_TICK_S = 0.25  # rebuild at least this often so expiry is noticed without new data
+
+
+@dataclass(slots=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    password: str | None = None
+    tls_ca_file: str | None = None
+    pool: str = "default"
+    key_prefix: str | None = None
+    resync_interval_s: float = 5.0
+
+    @property
+    def prefix(self) -> str:
+        return self.key_prefix or f"llm-extproc:{self.pool}"
+
+    @property
+    def channel(self) -> str:
+        return f"{self.prefix}:events"
+
+    def key(self, upstream_id: str) -> str:
+        return f"{self.prefix}:snap:{upstream_id}"
+
+    def client(self) -> aioredis.Redis:
+        kwargs: dict[str, object] = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0}
+        if self.username:
+            kwargs["username"] = self.username
+        if self.password:
+            kwargs["password"] = self.password
+        if self.tls_ca_file:
+            kwargs["ssl_ca_certs"] = self.tls_ca_file
+        return aioredis.from_url(self.url, **kwargs)
+
+
+class RedisFeed:
+    def __init__(self, settings: RedisSettings, view: FleetView, metrics: Metrics) -> None:
+        self.settings = settings
+        self.view = view
+        self.metrics = metrics
+        self._tasks: list[asyncio.Task[None]] = []
+        self._exported: set[str] = set()
+        self.connected = asyncio.Event()
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._follow(), name="fleet-redis"),
+            asyncio.create_task(self._maintain(), name="fleet-rebuild"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    # -- ingestion ---------------------------------------------------------------------------------
+    def ingest(self, data: bytes) -> None:
+        try:
+            state = decode(data, self.view.known_clusters)
+        except SnapshotRejected as exc:
+            self.metrics.snapshots.labels(outcome="rejected", reason=exc.reason).inc()
+            return
+        outcome = "accepted" if self.view.apply(state) else "outdated"
+        self.metrics.snapshots.labels(outcome=outcome, reason="").inc()
+
+    async def resync(self, client: aioredis.Redis) -> int:
+        """Read every snapshot key of the pool (SCAN + MGET in batches)."""
+        n = 0
+        batch: list[bytes] = []
+        async for key in client.scan_iter(match=f"{self.settings.prefix}:snap:*", count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                n += await self._load(client, batch)
+                batch = []
+        if batch:
+            n += await self._load(client, batch)
+        return n
+
+    async def _load(self, client: aioredis.Redis, keys: list[bytes]) -> int:
+        values = await client.mget(keys)
+        for v in values:
+            if v is not None:
+                self.ingest(v)
+        return len(values)
+
+    async def _follow(self) -> None:
+        backoff = 0.2
+        first = True
+        while True:
+            client = self.settings.client()
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.settings.channel)
+                # Subscribe first, then load: nothing published in between is lost.
+                n = await self.resync(client)
+                self.metrics.redis_connected.set(1)
+                if not first:
+                    self.metrics.redis_reconnects.inc()
+                first = False
+                self.connected.set()
+                log.info("fleet feed: following %s (%d snapshots loaded)", self.settings.channel, n)
+                backoff = 0.2
+                await self._listen(client, pubsub)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as exc:
+                if self.connected.is_set():
+                    log.warning("fleet feed: Redis connection lost (%s); retrying", exc)
+                self.connected.clear()
+                self.metrics.redis_connected.set(0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def _listen(self, client: aioredis.Redis, pubsub: aioredis.client.PubSub) -> None:
+        loop = asyncio.get_running_loop()
+        next_resync = loop.time() + self.settings.resync_interval_s
+        while True:
+            timeout = max(0.0, next_resync - loop.time())
+            msg = await pubsub.get_message(timeout=min(timeout, 1.0))
+            if msg is not None and msg.get("type") == "message":
+                data = msg.get("data")
+                if isinstance(data, bytes):
+                    self.ingest(data)
+                else:
+                    self.metrics.snapshots.labels(outcome="rejected", reason="undecodable").inc()
+            if loop.time() >= next_resync:
+                await self.resync(client)
+                next_resync = loop.time() + self.settings.resync_interval_s
+
+    # -- derived tables ----------------------------------------------------------------------------
+    async def _maintain(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = 0.0
+        while True:
+            await asyncio.sleep(REBUILD_EVERY_S)
+            now = loop.time()
+            if self.view.dirty or now - last >= EXPIRY_TICK_S:
+                self.view.rebuild()
+                last = now
+                self._export()
+
+    def _export(self) -> None:
+        now = self.view.clock()
+        for state, n in self.view.counts.items():
+            self.metrics.fleet_instances.labels(state=state).set(n)
+        ages = self.metrics.snapshot_age
+        held = self.view.instances()
+        for uid, inst in held.items():
+            ages.labels(upstream=uid).set(max(0.0, now - inst.published_at))
+        for uid in self._exported - held.keys():  # forget series of instances the view dropped
+            ages.remove(uid)
+        self._exported = set(held)

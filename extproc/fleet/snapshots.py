@@ -1,0 +1,161 @@
+"""Decoding and validating upstream snapshots read from Redis.
+
+Redis is shared infrastructure: anything in it may be stale, truncated, written by an old publisher
+or hostile. Every snapshot is checked before it can influence routing; a bad one is rejected with a
+reason (counted in metrics) and never raises past this module.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from extproc.fleet import snapshot_pb2 as spb
+from extproc.fleet.pool import parse_endpoint
+
+READY = spb.READY
+Readiness = spb.Readiness
+
+MAX_SNAPSHOT_BYTES = 64 * 1024
+MAX_ID_LEN = 256
+MAX_MODELS = 256
+MAX_QUEUE = 1_000_000
+MAX_WEIGHT = 1000.0
+MIN_TTL_MS = 100
+MAX_TTL_MS = 3_600_000
+MAX_FUTURE_SKEW_S = 30.0
+
+
+class SnapshotRejected(ValueError):
+    """A snapshot that must not be used. `reason` is a short, fixed metric label."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(slots=True, frozen=True)
+class InstanceState:
+    """A validated snapshot: what the scheduler may read about one instance."""
+
+    upstream_id: str
+    cluster: str
+    address: str | None
+    engine: str
+    models: frozenset[str]
+    lora_adapters: frozenset[str]
+    readiness: int
+    weight: float
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_blocks_total: int
+    kv_blocks_free: int
+    block_size: int
+    max_model_len: int
+    prefix_cache_hit_rate: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    publisher_id: str
+    sequence: int
+    published_at: float  # unix seconds
+    expires_at: float  # unix seconds
+
+    @property
+    def ready(self) -> bool:
+        return self.readiness == READY
+
+    def fresh(self, now: float) -> bool:
+        return now < self.expires_at
+
+
+def decode(data: bytes, known_clusters: frozenset[str], *, now: float | None = None) -> InstanceState:
+    """Parse and validate one serialized UpstreamSnapshot; raises SnapshotRejected."""
+    if len(data) > MAX_SNAPSHOT_BYTES:
+        raise SnapshotRejected("too_large", f"{len(data)} bytes")
+    msg = spb.UpstreamSnapshot()
+    try:
+        msg.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise SnapshotRejected("undecodable", type(exc).__name__) from None
+    return validate(msg, known_clusters, now=now)
+
+
+def validate(
+    msg: spb.UpstreamSnapshot, known_clusters: frozenset[str], *, now: float | None = None
+) -> InstanceState:
+    now = time.time() if now is None else now
+    uid = msg.upstream_id
+    if not uid or len(uid) > MAX_ID_LEN or not uid.isprintable():
+        raise SnapshotRejected("bad_id")
+    if msg.cluster not in known_clusters:
+        # The service must never name a cluster Envoy does not have (503 NC).
+        raise SnapshotRejected("unknown_cluster", msg.cluster[:64])
+    address = msg.address or None
+    if address is not None:
+        try:
+            parse_endpoint(address)
+        except ValueError:
+            raise SnapshotRejected("bad_address", address[:64]) from None
+    if len(msg.models) > MAX_MODELS or any(not m or len(m) > MAX_ID_LEN for m in msg.models):
+        raise SnapshotRejected("bad_models")
+    if len(msg.lora_adapters) > MAX_MODELS or any(len(m) > MAX_ID_LEN for m in msg.lora_adapters):
+        raise SnapshotRejected("bad_models")
+    if msg.readiness not in Readiness.values():
+        raise SnapshotRejected("bad_readiness")
+    if msg.num_running > MAX_QUEUE or msg.num_waiting > MAX_QUEUE:
+        raise SnapshotRejected("bad_load", "queue out of range")
+    kv = msg.kv_cache_usage
+    if not math.isfinite(kv) or kv < 0.0 or kv > 1.5:
+        raise SnapshotRejected("bad_load", "kv_cache_usage out of range")
+    if msg.kv_blocks_free > msg.kv_blocks_total:
+        raise SnapshotRejected("bad_load", "kv_blocks_free > kv_blocks_total")
+    weight = msg.capacity_weight or 1.0
+    if not math.isfinite(weight) or weight <= 0.0 or weight > MAX_WEIGHT:
+        raise SnapshotRejected("bad_weight")
+    if not MIN_TTL_MS <= msg.ttl_ms <= MAX_TTL_MS:
+        raise SnapshotRejected("bad_ttl")
+    published = msg.published_at_ms / 1000.0
+    if published > now + MAX_FUTURE_SKEW_S or published <= 0:
+        raise SnapshotRejected("bad_timestamp")
+    return InstanceState(
+        upstream_id=uid,
+        cluster=msg.cluster,
+        address=address,
+        engine=msg.engine[:32],
+        models=frozenset(msg.models),
+        lora_adapters=frozenset(msg.lora_adapters),
+        readiness=msg.readiness,
+        weight=weight,
+        num_running=msg.num_running,
+        num_waiting=msg.num_waiting,
+        kv_cache_usage=min(kv, 1.0),
+        kv_blocks_total=msg.kv_blocks_total,
+        kv_blocks_free=msg.kv_blocks_free,
+        block_size=msg.block_size,
+        max_model_len=msg.max_model_len,
+        prefix_cache_hit_rate=_fraction(msg, "prefix_cache_hit_rate"),
+        ttft_s=_seconds(msg, "ttft_seconds"),
+        tpot_s=_seconds(msg, "tpot_seconds"),
+        publisher_id=msg.publisher_id[:MAX_ID_LEN],
+        sequence=msg.sequence,
+        published_at=published,
+        expires_at=published + msg.ttl_ms / 1000.0,
+    )
+
+
+def _fraction(msg: spb.UpstreamSnapshot, name: str) -> float | None:
+    if not msg.HasField(name):
+        return None
+    v = getattr(msg, name)
+    return v if math.isfinite(v) and 0.0 <= v <= 1.0 else None
+
+
+def _seconds(msg: spb.UpstreamSnapshot, name: str) -> float | None:
+    if not msg.HasField(name):
+        return None
+    v = getattr(msg, name)
+    return v if math.isfinite(v) and 0.0 <= v < 3600.0 else None

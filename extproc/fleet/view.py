@@ -1,0 +1,177 @@
+"""The live fleet view: validated snapshots in, per-model candidates and per-upstream load out.
+
+Writers (the Redis feed) call `apply`; a background task calls `rebuild` when something changed and
+periodically for expiry. Readers on the request path only do dict lookups on the derived tables, so a
+decision never waits on Redis or on a rebuild.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from extproc.fleet.accounting import InFlight
+from extproc.fleet.pool import Pool, RoutingMode, Upstream
+from extproc.fleet.snapshots import InstanceState
+
+MAX_RECENT = 100_000
+# Expired instances are forgotten after this long (their metrics series too).
+FORGET_AFTER_S = 300.0
+
+
+@dataclass(slots=True, frozen=True)
+class Load:
+    """What the engines last said about one schedulable upstream (a cluster or one endpoint)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # the fullest instance's, 0..1
+    published_at: float  # oldest snapshot behind this figure (unix seconds)
+    instances: int
+
+
+class FleetView:
+    def __init__(self, pool: Pool, clock: Callable[[], float] = time.time) -> None:
+        self.pool = pool
+        self.clock = clock
+        self._static_models = {c.name: frozenset(c.models) for c in pool.clusters}
+        self.known_clusters = frozenset(self._static_models)
+        self._instances: dict[str, InstanceState] = {}
+        self._candidates: dict[str, tuple[Upstream, ...]] = {}
+        self._fresh_models: frozenset[str] = frozenset()
+        self._loads: dict[str, Load] = {}
+        self.dirty = False
+        self.counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+
+    # -- writers ---------------------------------------------------------------------------------
+    def apply(self, state: InstanceState) -> bool:
+        """Store a snapshot unless an equal-or-newer one from the same publisher is already held."""
+        held = self._instances.get(state.upstream_id)
+        if held is not None:
+            if held.publisher_id == state.publisher_id and state.sequence <= held.sequence:
+                return False
+            if held.publisher_id != state.publisher_id and state.published_at < held.published_at:
+                return False
+        self._instances[state.upstream_id] = state
+        self.dirty = True
+        return True
+
+    def rebuild(self) -> None:
+        """Recompute the derived tables from fresh snapshots (O(instances); off the request path)."""
+        now = self.clock()
+        endpoint_mode = self.pool.mode is RoutingMode.ENDPOINT
+        by_model: dict[str, dict[str, None]] = {}  # model -> ordered set of upstream keys
+        fresh_models: set[str] = set()
+        groups: dict[str, list[InstanceState]] = {}
+        counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+        for uid, inst in list(self._instances.items()):
+            if not inst.fresh(now):
+                counts["stale"] += 1
+                if now - inst.expires_at > FORGET_AFTER_S:
+                    del self._instances[uid]
+                continue
+            models = inst.models or self._static_models.get(inst.cluster, frozenset())
+            fresh_models.update(models)
+            if not inst.ready:
+                counts["fresh_not_ready"] += 1
+                continue
+            counts["fresh_ready"] += 1
+            if endpoint_mode:
+                if inst.address is None:
+                    continue
+                key = f"{inst.cluster}/{inst.address}"
+            else:
+                key = inst.cluster
+            groups.setdefault(key, []).append(inst)
+            for m in models:
+                by_model.setdefault(m, {})[key] = None
+        upstreams: dict[str, Upstream] = {}
+        loads: dict[str, Load] = {}
+        for key, insts in groups.items():
+            first = insts[0]
+            upstreams[key] = Upstream(
+                id=key,
+                cluster=first.cluster,
+                address=first.address if endpoint_mode else None,
+                weight=sum(i.weight for i in insts),
+            )
+            loads[key] = Load(
+                num_running=sum(i.num_running for i in insts),
+                num_waiting=sum(i.num_waiting for i in insts),
+                kv_cache_usage=max(i.kv_cache_usage for i in insts),
+                published_at=min(i.published_at for i in insts),
+                instances=len(insts),
+            )
+        self._candidates = {m: tuple(upstreams[k] for k in keys) for m, keys in by_model.items()}
+        self._fresh_models = frozenset(fresh_models)
+        self._loads = loads
+        self.counts = counts
+        self.dirty = False
+
+    # -- readers (request path) ------------------------------------------------------------------
+    def candidates(self, model: str) -> tuple[Upstream, ...] | None:
+        """Ready upstreams for `model`; () when fresh snapshots say none is ready; None when there is
+        no fresh information about the model at all (the caller falls back)."""
+        found = self._candidates.get(model)
+        if found is not None:
+            return found
+        return () if model in self._fresh_models else None
+
+    def load(self, upstream_id: str) -> Load | None:
+        return self._loads.get(upstream_id)
+
+    def serves(self, model: str) -> bool:
+        return model in self._fresh_models
+
+    def instances(self) -> dict[str, InstanceState]:
+        return self._instances
+
+
+class RecentSends:
+    """Requests this process routed to each upstream, by time: the part of the load that the last
+    snapshot cannot show yet, so a burst between two snapshots spreads out."""
+
+    __slots__ = ("_sends",)
+
+    def __init__(self) -> None:
+        self._sends: dict[str, deque[float]] = {}
+
+    def record(self, upstream_id: str, when: float) -> None:
+        # Bounded: an upstream whose snapshots stopped is not read (and so not trimmed) for a while.
+        self._sends.setdefault(upstream_id, deque(maxlen=MAX_RECENT)).append(when)
+
+    def since(self, upstream_id: str, t0: float) -> int:
+        q = self._sends.get(upstream_id)
+        if not q:
+            return 0
+        while q and q[0] <= t0:
+            q.popleft()
+        return len(q)
+
+
+class SchedulingState:
+    """What scheduling plugins read: own in-flight counts, the engines' last word, and what was sent
+    since. Works without a fleet view (static pool): load() is then None everywhere."""
+
+    __slots__ = ("inflight", "recent", "view")
+
+    def __init__(self, inflight: InFlight, view: FleetView | None) -> None:
+        self.inflight = inflight
+        self.view = view
+        self.recent = RecentSends()
+
+    def count(self, upstream_id: str) -> int:
+        return self.inflight.count(upstream_id)
+
+    def load(self, upstream_id: str) -> Load | None:
+        return self.view.load(upstream_id) if self.view is not None else None
+
+    def pending(self, upstream_id: str) -> int:
+        """Requests the engines have not reported yet: sent since the snapshot behind load(), or, with
+        no snapshot, everything this process has outstanding there."""
+        load = self.load(upstream_id)
+        if load is None:
+            return self.inflight.count(upstream_id)
+        return self.recent.since(upstream_id, load.published_at)
