@@ -17,7 +17,10 @@ MODEL = "sim-llama"
 
 
 def service_config(**overrides: Any) -> dict[str, Any]:
+    """The shipped service config without its Redis fleet block (static pool + own in-flight counts),
+    with overrides; fleet tests pass `fleet=` back in."""
     cfg = yaml.safe_load((ENVOY_DIR / "llm-extproc.yaml").read_text())
+    cfg.pop("fleet", None)
     cfg.update(overrides)
     return cfg
 

@@ -28,7 +28,7 @@ def test_dockerfile_copies_what_the_package_needs() -> None:
         assert (ROOT / path).exists()
 
 
-@pytest.mark.parametrize("name", ["llm-extproc", "engines"])
+@pytest.mark.parametrize("name", ["llm-extproc", "engines", "publisher"])
 def test_service_commands_parse(name: str) -> None:
     args = build_parser().parse_args(services()[name]["command"])
     assert args.func is not None
@@ -64,5 +64,13 @@ def test_ports_line_up_with_the_configs() -> None:
     )
     assert gpu_ports == [sim.port + i for i in range(sim.count)]
     assert load_config(ENVOY_DIR / "llm-extproc.yaml").pool.models() == [sim.model]
-    for name in ("llm-extproc", "engines"):
+    for name in ("llm-extproc", "engines", "redis", "publisher"):
         assert s[name]["network_mode"] == "service:envoy"
+    # Publisher, service and Redis agree on where Redis is and which pool they share.
+    fleet = load_config(ENVOY_DIR / "llm-extproc.yaml").fleet
+    assert fleet is not None
+    pub = build_parser().parse_args(s["publisher"]["command"])
+    assert pub.redis_url == fleet.url and pub.pool == fleet.pool
+    assert "6379" in fleet.url and "6379" in s["redis"]["command"]
+    admin = envoy_cfg["admin"]["address"]["socket_address"]
+    assert pub.envoy_admin == f"http://{admin['address']}:{admin['port_value']}"

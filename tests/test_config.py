@@ -336,9 +336,12 @@ class TestLoadConfig:
         assert cfg.grpc_max_message_bytes >= cfg.max_body_bytes + MIB
         assert cfg.profile.name == "default"
         assert [(type(s), w) for s, w in cfg.profile.scorers] == [
-            (LeastOutstandingScorer, 1.0),
+            (QueueDepthScorer, 1.0),
+            (KvCacheUsageScorer, 0.5),
+            (LeastOutstandingScorer, 0.5),
             (SessionAffinityScorer, 0.0),
         ]
+        assert cfg.fleet is not None and cfg.fleet.prefix == "llm-extproc:default"
 
     def test_shipped_endpoint_config(self, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(ENV_CONFIG, str(ENVOY_DIR / "llm-extproc-endpoint.yaml"))

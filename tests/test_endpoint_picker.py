@@ -23,6 +23,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 def stack(engines: EngineGroup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     cfg = yaml.safe_load((ENVOY_DIR / "llm-extproc-endpoint.yaml").read_text())
     cfg["pool"]["clusters"][0]["endpoints"] = [engines.address(0), engines.address(1)]
+    cfg.pop("fleet")  # static pool + own in-flight counts here; tests/test_fleet_routing.py covers Redis
     s = Stack(
         engines,
         tmp_path_factory.mktemp("endpoint-picker"),

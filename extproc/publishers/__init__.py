@@ -1,0 +1,1 @@
+"""Publishers: scrape engines' /metrics, normalise per engine, and publish snapshots to Redis."""
