@@ -77,6 +77,12 @@ def _demo(args: argparse.Namespace) -> int:
     return _run(run_demo(requests=args.requests, rate=args.rate, out_dir=Path(args.out)))
 
 
+def _fleet_bench(args: argparse.Namespace) -> int:
+    from extproc.bench.fleet import run_fleet_bench
+
+    return _run(run_fleet_bench(Path(args.out)))
+
+
 def _overhead(args: argparse.Namespace) -> int:
     from extproc.bench.scenarios import run_overhead
 
@@ -146,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="BUFFERED,FULL_DUPLEX_STREAMED", help="ext_proc request body modes")
     p.add_argument("--out", default="out/overhead")
     p.set_defaults(func=_overhead)
+
+    p = sub.add_parser("bench-fleet", help="snapshot ingestion rate and decision latency vs fleet size")
+    p.add_argument("--out", default="out/fleet")
+    p.set_defaults(func=_fleet_bench)
 
     return parser
 

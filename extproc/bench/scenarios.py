@@ -6,6 +6,7 @@ the same simulated engines, drives the same requests through each, and writes JS
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.bench.loadgen import Summary, closed_loop, format_table, open_loop, summarize
+from extproc.fleet.redis_feed import RedisSettings
 from extproc.gateway import (
     ENVOY_DIR,
     EnvoyProcess,
@@ -24,7 +26,9 @@ from extproc.gateway import (
     find_envoy,
     free_port,
     load_envoy_config,
+    local_redis,
 )
+from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
 from extproc.sim import EngineGroup
 
 MODEL = "sim-llama"
@@ -36,12 +40,15 @@ class Target:
     url: str
 
 
-def _service_config(clusters: dict[str, list[int]]) -> dict[str, Any]:
-    return {
+def _service_config(clusters: dict[str, list[int]], redis_url: str | None = None) -> dict[str, Any]:
+    """The default scheduling profile; with `redis_url`, live fleet state from the publisher."""
+    cfg: dict[str, Any] = {
         "routing": "cluster",
         "pool": {"clusters": [{"name": c, "models": [MODEL]} for c in clusters]},
-        "scheduling": {"profile": "default"},
     }
+    if redis_url:
+        cfg["fleet"] = {"url": redis_url, "pool": "demo"}
+    return cfg
 
 
 class Baselines:
@@ -93,7 +100,8 @@ def demo_requests(n: int, seed: int = 1) -> list[dict[str, Any]]:
 async def run_demo(
     *, requests: int = 240, rate: float = 14.0, out_dir: Path = Path("out/demo"), slow_factor: float = 4.0
 ) -> int:
-    """Three engines, one `slow_factor` times slower (an older GPU); llm-extproc vs Envoy's own LB."""
+    """Three engines, one `slow_factor` times slower (an older GPU): llm-extproc with live fleet state
+    (Redis + publisher), llm-extproc on its own counts only, and Envoy's own load balancers."""
     find_envoy()  # fail early with the install hint
     out_dir.mkdir(parents=True, exist_ok=True)
     delays = [0.005 * slow_factor, 0.005, 0.005]
@@ -102,23 +110,47 @@ async def run_demo(
     print("  engine-0 is the slow GPU; each runs at most 4 generations at once and queues the rest)")
     group = EngineGroup(delays, MODEL, max_batch=4)
     clusters = {"gpu-a": [group.ports[0]], "gpu-b": [group.ports[1]], "gpu-c": [group.ports[2]]}
-    gateway = _three_cluster_gateway(out_dir, clusters)
+    redis, notice = local_redis(out_dir / "redis.log")
+    print(f"redis: {notice} at {redis.url}")
+    gateway = _three_cluster_gateway(out_dir / "with-fleet", clusters, redis.url)
+    static = _three_cluster_gateway(out_dir / "own-counts", clusters, None)
     baselines = Baselines(out_dir, group.ports, ["ROUND_ROBIN", "LEAST_REQUEST"])
+    publisher = Publisher(
+        PublisherConfig(
+            redis=RedisSettings(url=redis.url, pool="demo"),
+            instances=[InstanceSpec(c, f"127.0.0.1:{ports[0]}", "sim") for c, ports in clusters.items()],
+            interval_s=0.5,
+        )
+    )
+    stop_publishing = asyncio.Event()
+    publishing = asyncio.create_task(publisher.run(stop_publishing))
     summaries: list[Summary] = []
     try:
-        print("starting llm-extproc and Envoy (with ext_proc, and two baselines without it)")
+        print(
+            "starting llm-extproc (with and without fleet state) and Envoy (with ext_proc, and two baselines)"
+        )
         gateway.start()
-        targets = [Target("llm-extproc", gateway.url), *baselines.start()]
+        static.start()
+        targets = [
+            Target("llm-extproc", gateway.url),
+            Target("llm-extproc own counts", static.url),
+            *baselines.start(),
+        ]
         bodies = demo_requests(requests)
         for t in targets:
             print(f"  {t.name}: {requests} streaming requests, open loop at {rate:.0f} req/s ...", flush=True)
             await open_loop(t.url + "/v1/chat/completions", bodies[:10], rate)  # warm-up
             results, wall = await open_loop(t.url + "/v1/chat/completions", bodies, rate)
             summaries.append(summarize(t.name, results, wall))
+            await asyncio.sleep(1.0)  # let queues drain between policies
     finally:
+        stop_publishing.set()
+        await publishing
         baselines.stop()
         gateway.stop()
+        static.stop()
         group.close()
+        redis.stop()
     print()
     print(format_table(summaries))
     report = {
@@ -135,13 +167,15 @@ async def run_demo(
     path.write_text(json.dumps(report, indent=2))
     print(f"\nresults: {path}   logs: {out_dir}/*.log")
     ours = summaries[0]
-    rr = summaries[1]
+    rr = next(x for x in summaries if x.name == "envoy round_robin")
     if ours.ttft_p90_ms and rr.ttft_p90_ms:
         print(f"TTFT p90, llm-extproc vs round robin: {ours.ttft_p90_ms / rr.ttft_p90_ms:.2f}x")
     return 0 if all(s.errors == 0 for s in summaries) else 1
 
 
-def _three_cluster_gateway(out_dir: Path, clusters: dict[str, list[int]]) -> LocalGateway:
+def _three_cluster_gateway(
+    out_dir: Path, clusters: dict[str, list[int]], redis_url: str | None
+) -> LocalGateway:
     """envoy.yaml ships two GPU clusters; the demo adds a third by copying gpu-b's definition."""
 
     def add_cluster(cfg: dict[str, Any]) -> None:
@@ -170,7 +204,9 @@ def _three_cluster_gateway(out_dir: Path, clusters: dict[str, list[int]]) -> Loc
             cl.append(extra)
 
     shipped = {k: v for k, v in clusters.items() if k in ("gpu-a", "gpu-b")}
-    gw = LocalGateway(out_dir, clusters=shipped, service=_service_config(clusters), envoy_edit=add_cluster)
+    gw = LocalGateway(
+        out_dir, clusters=shipped, service=_service_config(clusters, redis_url), envoy_edit=add_cluster
+    )
     return gw
 
 

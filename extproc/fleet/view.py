@@ -8,7 +8,6 @@ decision never waits on Redis or on a rebuild.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +15,6 @@ from extproc.fleet.accounting import InFlight
 from extproc.fleet.pool import Pool, RoutingMode, Upstream
 from extproc.fleet.snapshots import InstanceState
 
-MAX_RECENT = 100_000
 # Expired instances are forgotten after this long (their metrics series too).
 FORGET_AFTER_S = 300.0
 
@@ -30,12 +28,22 @@ class Load:
     kv_cache_usage: float  # the fullest instance's, 0..1
     published_at: float  # oldest snapshot behind this figure (unix seconds)
     instances: int
+    own_at_snapshot: int  # this process's in-flight requests there when the latest snapshot arrived
 
 
 class FleetView:
-    def __init__(self, pool: Pool, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        clock: Callable[[], float] = time.time,
+        own_count: Callable[[str], int] = lambda _: 0,
+    ) -> None:
         self.pool = pool
         self.clock = clock
+        # This process's in-flight count per upstream id, sampled as each snapshot arrives: requests
+        # above that level were sent after the engine's figures were taken (see SchedulingState).
+        self.own_count = own_count
+        self._own_at_apply: dict[str, int] = {}
         self._static_models = {c.name: frozenset(c.models) for c in pool.clusters}
         self.known_clusters = frozenset(self._static_models)
         self._instances: dict[str, InstanceState] = {}
@@ -55,8 +63,15 @@ class FleetView:
             if held.publisher_id != state.publisher_id and state.published_at < held.published_at:
                 return False
         self._instances[state.upstream_id] = state
+        self._own_at_apply[self._key(state)] = self.own_count(self._key(state))
         self.dirty = True
         return True
+
+    def _key(self, state: InstanceState) -> str:
+        """The schedulable upstream an instance belongs to: its endpoint, or its whole cluster."""
+        if self.pool.mode is RoutingMode.ENDPOINT:
+            return f"{state.cluster}/{state.address}"
+        return state.cluster
 
     def rebuild(self) -> None:
         """Recompute the derived tables from fresh snapshots (O(instances); off the request path)."""
@@ -78,12 +93,9 @@ class FleetView:
                 counts["fresh_not_ready"] += 1
                 continue
             counts["fresh_ready"] += 1
-            if endpoint_mode:
-                if inst.address is None:
-                    continue
-                key = f"{inst.cluster}/{inst.address}"
-            else:
-                key = inst.cluster
+            if endpoint_mode and inst.address is None:
+                continue
+            key = self._key(inst)
             groups.setdefault(key, []).append(inst)
             for m in models:
                 by_model.setdefault(m, {})[key] = None
@@ -103,6 +115,7 @@ class FleetView:
                 kv_cache_usage=max(i.kv_cache_usage for i in insts),
                 published_at=min(i.published_at for i in insts),
                 instances=len(insts),
+                own_at_snapshot=self._own_at_apply.get(key, 0),
             )
         self._candidates = {m: tuple(upstreams[k] for k in keys) for m, keys in by_model.items()}
         self._fresh_models = frozenset(fresh_models)
@@ -129,38 +142,15 @@ class FleetView:
         return self._instances
 
 
-class RecentSends:
-    """Requests this process routed to each upstream, by time: the part of the load that the last
-    snapshot cannot show yet, so a burst between two snapshots spreads out."""
-
-    __slots__ = ("_sends",)
-
-    def __init__(self) -> None:
-        self._sends: dict[str, deque[float]] = {}
-
-    def record(self, upstream_id: str, when: float) -> None:
-        # Bounded: an upstream whose snapshots stopped is not read (and so not trimmed) for a while.
-        self._sends.setdefault(upstream_id, deque(maxlen=MAX_RECENT)).append(when)
-
-    def since(self, upstream_id: str, t0: float) -> int:
-        q = self._sends.get(upstream_id)
-        if not q:
-            return 0
-        while q and q[0] <= t0:
-            q.popleft()
-        return len(q)
-
-
 class SchedulingState:
     """What scheduling plugins read: own in-flight counts, the engines' last word, and what was sent
     since. Works without a fleet view (static pool): load() is then None everywhere."""
 
-    __slots__ = ("inflight", "recent", "view")
+    __slots__ = ("inflight", "view")
 
     def __init__(self, inflight: InFlight, view: FleetView | None) -> None:
         self.inflight = inflight
         self.view = view
-        self.recent = RecentSends()
 
     def count(self, upstream_id: str) -> int:
         return self.inflight.count(upstream_id)
@@ -169,9 +159,11 @@ class SchedulingState:
         return self.view.load(upstream_id) if self.view is not None else None
 
     def pending(self, upstream_id: str) -> int:
-        """Requests the engines have not reported yet: sent since the snapshot behind load(), or, with
-        no snapshot, everything this process has outstanding there."""
+        """Requests the engines' figures do not include yet: how far this process's in-flight count
+        there has grown since the snapshot arrived (sent since, minus finished since), so a burst
+        between two snapshots spreads out. With no snapshot: everything this process has there."""
+        own = self.inflight.count(upstream_id)
         load = self.load(upstream_id)
         if load is None:
-            return self.inflight.count(upstream_id)
-        return self.recent.since(upstream_id, load.published_at)
+            return own
+        return max(0, own - load.own_at_snapshot)

@@ -12,6 +12,7 @@ from extproc.gateway.stack import (
     find_envoy,
     free_port,
     load_envoy_config,
+    local_redis,
     render_envoy_config,
     wait_port,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "find_envoy",
     "free_port",
     "load_envoy_config",
+    "local_redis",
     "render_envoy_config",
     "wait_port",
 ]

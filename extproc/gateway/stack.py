@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -408,3 +409,46 @@ class RedisProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class FakeRedisServer:
+    """For the demo only, when no redis-server is installed: fakeredis's in-process Redis-protocol
+    server on a loopback port. Announced as a stand-in; never used by tests or in production."""
+
+    def __init__(self) -> None:
+        from fakeredis import TcpFakeServer  # optional dependency (the `dev` extra)
+
+        self.port = free_port()
+        self._server = TcpFakeServer(("127.0.0.1", self.port), server_type="redis")
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fakeredis", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> FakeRedisServer:
+        self._thread.start()
+        wait_port("127.0.0.1", self.port)
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def local_redis(log_path: Path) -> tuple[RedisProcess | FakeRedisServer, str]:
+    """A real redis-server when installed, else the fakeredis stand-in; returns it and a notice."""
+    try:
+        return RedisProcess(log_path).start(), "redis-server"
+    except FileNotFoundError:
+        try:
+            server = FakeRedisServer().start()
+        except ImportError:
+            raise FileNotFoundError(
+                "no redis-server found and fakeredis is not installed: apt-get install redis-server "
+                "(or pip install fakeredis for a demo-only stand-in)"
+            ) from None
+        return server, (
+            "redis-server not found: using fakeredis's in-process stand-in FOR THIS DEMO ONLY "
+            "(install redis-server: apt-get install redis-server)"
+        )

@@ -51,6 +51,8 @@ class RequestLifecycle:
         self.metrics = metrics
         self.inflight = InFlight(metrics.on_inflight_change)
         self.view = view
+        if view is not None:
+            view.own_count = self.inflight.count  # sampled as snapshots arrive (SchedulingState.pending)
         self.state = SchedulingState(self.inflight, view)
         self.fallback = profile_from_config("fallback", FALLBACK_PROFILE)
 
@@ -102,8 +104,6 @@ class RequestLifecycle:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------
         lease = self.inflight.acquire(upstream)
-        if self.view is not None:
-            self.state.recent.record(upstream.id, time.time())
         self.metrics.requests.labels(
             model=self.metrics.model_label(request.model), cluster=upstream.cluster, outcome="routed"
         ).inc()

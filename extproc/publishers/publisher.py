@@ -23,6 +23,7 @@ import yaml
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.pool import parse_endpoint
 from extproc.fleet.redis_feed import RedisSettings
+from extproc.fleet.snapshots import MAX_TTL_MS, MIN_TTL_MS
 from extproc.publishers.engines import ENGINE_METRICS, EngineLoad, normalize
 
 log = logging.getLogger("extproc.publisher")
@@ -121,11 +122,24 @@ def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"publisher: unknown keys {sorted(unknown)}")
+    bad_redis = set(redis_raw) - set(RedisSettings.__dataclass_fields__)
+    if bad_redis:
+        raise ValueError(f"publisher: unknown redis keys {sorted(bad_redis)}")
+    for key, low, high in (
+        ("interval_s", 0.01, 3600.0),
+        ("ttl_s", MIN_TTL_MS / 1000, MAX_TTL_MS / 1000),
+        ("discovery_interval_s", 0.1, 86400.0),
+        ("scrape_timeout_s", 0.01, 600.0),
+    ):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+            # Readers reject snapshots whose TTL is out of range: fail here, not silently there.
+            raise ValueError(f"publisher: '{key}' must be a number from {low} to {high}")
     cfg = PublisherConfig(redis=RedisSettings(**redis_raw), instances=instances, **raw)
     if not cfg.instances and not cfg.envoy_admin:
         raise ValueError("publisher: give 'instances' or 'envoy_admin' (Envoy admin URL for discovery)")
-    if cfg.interval_s <= 0:
-        raise ValueError("publisher: 'interval_s' must be positive")
     return cfg
 
 

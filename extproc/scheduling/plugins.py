@@ -69,8 +69,9 @@ class SaturationFilter:
 @register("scorer", "queue-depth")
 @dataclass(slots=True)
 class QueueDepthScorer:
-    """Fewest queued requests per unit of capacity: the engine's waiting queue plus what this process
-    sent since that figure was published (own in-flight when there is no snapshot). Min-max scaled."""
+    """Fewest queued requests per unit of capacity: the engine's reported waiting queue plus the growth
+    of this process's in-flight count there since that report (own in-flight when there is no
+    snapshot). Min-max scaled."""
 
     name: str = "queue-depth"
 

@@ -1,0 +1,391 @@
+"""Unit tests for extproc.fleet.view: FleetView and SchedulingState."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from extproc.fleet import ClusterSpec, InFlight, InstanceState, Pool, RoutingMode, Upstream
+from extproc.fleet import snapshot_pb2 as spb
+from extproc.fleet.view import FORGET_AFTER_S, FleetView, Load, SchedulingState
+
+NOW = 1_700_000_000.0
+
+
+class Clock:
+    def __init__(self, t: float = NOW) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def inst(uid: str = "c1/10.0.0.1:8000", **kw: Any) -> InstanceState:
+    fields: dict[str, Any] = {
+        "upstream_id": uid,
+        "cluster": "c1",
+        "address": "10.0.0.1:8000",
+        "engine": "vllm",
+        "models": frozenset({"m1"}),
+        "lora_adapters": frozenset(),
+        "readiness": spb.READY,
+        "weight": 1.0,
+        "num_running": 0,
+        "num_waiting": 0,
+        "kv_cache_usage": 0.0,
+        "kv_blocks_total": 0,
+        "kv_blocks_free": 0,
+        "block_size": 0,
+        "max_model_len": 0,
+        "prefix_cache_hit_rate": None,
+        "ttft_s": None,
+        "tpot_s": None,
+        "publisher_id": "pub-1",
+        "sequence": 1,
+        "published_at": NOW,
+        "expires_at": NOW + 3.0,
+    }
+    fields.update(kw)
+    return InstanceState(**fields)
+
+
+def cluster_pool() -> Pool:
+    return Pool(
+        clusters=(
+            ClusterSpec("c1", ("m1",)),
+            ClusterSpec("c2", ("m2", "shared")),
+            ClusterSpec("c3", ("m3",)),
+        )
+    )
+
+
+def endpoint_pool() -> Pool:
+    return Pool(
+        clusters=(
+            ClusterSpec("c1", ("m1",), endpoints=("10.0.0.1:8000",)),
+            ClusterSpec("c2", ("m2",), endpoints=("10.0.1.1:8000",)),
+        ),
+        mode=RoutingMode.ENDPOINT,
+    )
+
+
+# -- apply -------------------------------------------------------------------------------------------
+def test_apply_same_publisher_sequence_rules() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    assert v.apply(inst(sequence=5, num_waiting=5))
+    assert not v.apply(inst(sequence=5, num_waiting=99))  # equal: ignored
+    assert not v.apply(inst(sequence=4, num_waiting=99, published_at=NOW + 1))  # lower: ignored
+    assert v.instances()["c1/10.0.0.1:8000"].num_waiting == 5
+    assert v.apply(inst(sequence=6, num_waiting=6, published_at=NOW - 1))  # higher wins even if older
+    assert v.instances()["c1/10.0.0.1:8000"].num_waiting == 6
+
+
+def test_apply_different_publisher_time_rules() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    assert v.apply(inst(publisher_id="a", sequence=100, published_at=NOW, num_waiting=1))
+    assert not v.apply(inst(publisher_id="b", sequence=999, published_at=NOW - 0.5, num_waiting=2))
+    assert v.instances()["c1/10.0.0.1:8000"].num_waiting == 1
+    assert v.apply(inst(publisher_id="b", sequence=1, published_at=NOW + 0.5, num_waiting=3))
+    held = v.instances()["c1/10.0.0.1:8000"]
+    assert (held.publisher_id, held.num_waiting) == ("b", 3)
+
+
+def test_apply_distinct_upstreams_independent() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    assert v.apply(inst("x", sequence=10))
+    assert v.apply(inst("y", sequence=1))
+    assert set(v.instances()) == {"x", "y"}
+
+
+def test_dirty_set_by_apply_cleared_by_rebuild() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    assert not v.dirty
+    v.apply(inst(sequence=1))
+    assert v.dirty
+    v.rebuild()
+    assert not v.dirty
+    assert not v.apply(inst(sequence=1))  # ignored: stays clean
+    assert not v.dirty
+    v.apply(inst(sequence=2))
+    assert v.dirty
+
+
+def test_known_clusters_from_pool() -> None:
+    assert FleetView(cluster_pool()).known_clusters == frozenset({"c1", "c2", "c3"})
+
+
+# -- rebuild: cluster mode ---------------------------------------------------------------------------
+def test_cluster_mode_aggregates_instances() -> None:
+    v = FleetView(cluster_pool(), clock=Clock(NOW + 1))
+    v.apply(inst("c1/a", num_running=2, num_waiting=1, kv_cache_usage=0.3, weight=1.0, published_at=NOW))
+    v.apply(
+        inst("c1/b", num_running=3, num_waiting=4, kv_cache_usage=0.8, weight=2.0, published_at=NOW - 0.5)
+    )
+    v.apply(inst("c1/c", num_running=1, num_waiting=0, kv_cache_usage=0.1, weight=0.5, published_at=NOW))
+    v.apply(inst("c2/a", cluster="c2", models=frozenset({"m2"}), num_waiting=7, kv_cache_usage=0.2))
+    v.rebuild()
+    assert v.load("c1") == Load(
+        num_running=6,
+        num_waiting=5,
+        kv_cache_usage=0.8,
+        published_at=NOW - 0.5,
+        instances=3,
+        own_at_snapshot=0,
+    )
+    assert v.load("c2") == Load(
+        num_running=0, num_waiting=7, kv_cache_usage=0.2, published_at=NOW, instances=1, own_at_snapshot=0
+    )
+    assert v.load("c3") is None
+    assert v.candidates("m1") == (Upstream(id="c1", cluster="c1", address=None, weight=3.5),)
+    assert v.candidates("m2") == (Upstream(id="c2", cluster="c2", address=None, weight=1.0),)
+    assert v.counts == {"fresh_ready": 4, "fresh_not_ready": 0, "stale": 0}
+
+
+def test_cluster_mode_per_model_candidates() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", models=frozenset({"m1", "shared"})))
+    v.apply(inst("c2/a", cluster="c2", models=frozenset({"m2", "shared"})))
+    v.rebuild()
+    assert [u.id for u in v.candidates("shared") or ()] == ["c1", "c2"]
+    assert [u.id for u in v.candidates("m1") or ()] == ["c1"]
+    assert [u.id for u in v.candidates("m2") or ()] == ["c2"]
+    assert v.candidates("m3") is None
+    assert v.serves("shared") and not v.serves("m3")
+
+
+def test_empty_models_fall_back_to_static_pool() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c2/a", cluster="c2", models=frozenset()))
+    v.rebuild()
+    assert [u.id for u in v.candidates("m2") or ()] == ["c2"]
+    assert [u.id for u in v.candidates("shared") or ()] == ["c2"]
+    assert v.candidates("m1") is None
+
+
+def test_snapshot_models_override_static_pool() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", cluster="c1", models=frozenset({"dynamic"})))
+    v.rebuild()
+    assert [u.id for u in v.candidates("dynamic") or ()] == ["c1"]
+    assert v.candidates("m1") is None  # the static model is not claimed by the snapshot
+
+
+# -- rebuild: endpoint mode --------------------------------------------------------------------------
+def test_endpoint_mode_one_upstream_per_address() -> None:
+    v = FleetView(endpoint_pool(), clock=Clock())
+    v.apply(inst("c1/10.0.0.1:8000", address="10.0.0.1:8000", weight=2.0, num_waiting=3))
+    v.apply(inst("c1/10.0.0.2:8000", address="10.0.0.2:8000", num_waiting=1, kv_cache_usage=0.5))
+    v.apply(inst("c1/noaddr", address=None, num_waiting=50))
+    v.rebuild()
+    assert v.candidates("m1") == (
+        Upstream(id="c1/10.0.0.1:8000", cluster="c1", address="10.0.0.1:8000", weight=2.0),
+        Upstream(id="c1/10.0.0.2:8000", cluster="c1", address="10.0.0.2:8000", weight=1.0),
+    )
+    assert v.load("c1/10.0.0.2:8000") == Load(
+        num_running=0, num_waiting=1, kv_cache_usage=0.5, published_at=NOW, instances=1, own_at_snapshot=0
+    )
+    assert v.load("c1") is None
+    assert v.load("c1/noaddr") is None
+    assert v.load("c1/None") is None
+
+
+def test_endpoint_mode_only_addressless_instances() -> None:
+    v = FleetView(endpoint_pool(), clock=Clock())
+    v.apply(inst("c1/x", address=None))
+    v.rebuild()
+    # Fresh information about m1 exists, but nothing routable: () rather than None.
+    assert v.candidates("m1") == ()
+
+
+# -- readiness and candidates ------------------------------------------------------------------------
+def test_candidates_none_without_information() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.rebuild()
+    assert v.candidates("m1") is None
+    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+
+
+@pytest.mark.parametrize("readiness", [spb.WARMING_UP, spb.DRAINING, spb.DOWN, spb.READINESS_UNSPECIFIED])
+def test_candidates_empty_when_none_ready(readiness: int) -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", readiness=readiness))
+    v.apply(inst("c2/a", cluster="c2", models=frozenset({"m2"})))
+    v.rebuild()
+    assert v.candidates("m1") == ()
+    assert v.serves("m1")
+    assert v.load("c1") is None
+    assert [u.id for u in v.candidates("m2") or ()] == ["c2"]
+    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 1, "stale": 0}
+
+
+def test_not_ready_instance_excluded_from_aggregate() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", num_waiting=2, weight=1.0))
+    v.apply(inst("c1/b", num_waiting=100, weight=4.0, readiness=spb.DRAINING))
+    v.rebuild()
+    assert v.candidates("m1") == (Upstream(id="c1", cluster="c1", address=None, weight=1.0),)
+    load = v.load("c1")
+    assert load is not None and (load.num_waiting, load.instances) == (2, 1)
+
+
+# -- expiry --------------------------------------------------------------------------------------------
+def test_expiry_then_forget() -> None:
+    clock = Clock(NOW)
+    v = FleetView(cluster_pool(), clock=clock)
+    v.apply(inst("c1/a", published_at=NOW, expires_at=NOW + 2.0))
+    v.rebuild()
+    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 0, "stale": 0}
+    assert v.candidates("m1") is not None and len(v.candidates("m1") or ()) == 1
+
+    clock.t = NOW + 1.99
+    v.rebuild()
+    assert len(v.candidates("m1") or ()) == 1
+
+    clock.t = NOW + 2.0
+    v.rebuild()
+    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 1}
+    assert v.candidates("m1") is None
+    assert v.load("c1") is None
+    assert "c1/a" in v.instances()
+
+    clock.t = NOW + 2.0 + FORGET_AFTER_S
+    v.rebuild()
+    assert "c1/a" in v.instances()  # not yet: strictly after FORGET_AFTER_S
+
+    clock.t = NOW + 2.0 + FORGET_AFTER_S + 0.1
+    v.rebuild()
+    assert v.instances() == {}
+    assert v.counts["stale"] == 1  # counted on the rebuild that forgets it
+    v.rebuild()
+    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+
+
+def test_one_stale_instance_leaves_the_fresh_one() -> None:
+    clock = Clock(NOW + 5)
+    v = FleetView(cluster_pool(), clock=clock)
+    v.apply(inst("c1/old", published_at=NOW - 10, expires_at=NOW, num_waiting=40))
+    v.apply(inst("c1/new", published_at=NOW + 4, expires_at=NOW + 7, num_waiting=1))
+    v.rebuild()
+    load = v.load("c1")
+    assert load is not None and (load.num_waiting, load.instances, load.published_at) == (1, 1, NOW + 4)
+    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 0, "stale": 1}
+
+
+def test_forgotten_instance_accepts_older_sequence_again() -> None:
+    clock = Clock(NOW)
+    v = FleetView(cluster_pool(), clock=clock)
+    v.apply(inst("c1/a", sequence=50, expires_at=NOW + 1))
+    clock.t = NOW + 1 + FORGET_AFTER_S + 1
+    v.rebuild()
+    assert v.apply(inst("c1/a", sequence=1))
+
+
+# -- own in-flight sampled at each snapshot ------------------------------------------------------------
+def _leases(inflight: InFlight, upstream: Upstream, n: int) -> list[Any]:
+    return [inflight.acquire(upstream) for _ in range(n)]
+
+
+def test_own_count_sampled_when_snapshot_applied_cluster_mode() -> None:
+    inflight = InFlight()
+    v = FleetView(cluster_pool(), clock=Clock(), own_count=inflight.count)
+    c1 = Upstream(id="c1", cluster="c1", address=None, weight=1.0)
+    _leases(inflight, c1, 4)
+    v.apply(inst("c1/a", sequence=1))
+    _leases(inflight, c1, 3)  # sent after the snapshot arrived: not in its figures
+    v.rebuild()
+    load = v.load("c1")
+    assert load is not None and load.own_at_snapshot == 4
+    # An ignored (old) snapshot does not resample.
+    assert not v.apply(inst("c1/a", sequence=1))
+    v.rebuild()
+    assert v.load("c1").own_at_snapshot == 4  # type: ignore[union-attr]
+    # A newer one does: keyed by the schedulable upstream (the cluster), whichever instance sent it.
+    v.apply(inst("c1/b", sequence=1))
+    v.rebuild()
+    assert v.load("c1").own_at_snapshot == 7  # type: ignore[union-attr]
+
+
+def test_own_count_keyed_by_endpoint_in_endpoint_mode() -> None:
+    seen: list[str] = []
+
+    def own(uid: str) -> int:
+        seen.append(uid)
+        return {"c1/10.0.0.1:8000": 5, "c1/10.0.0.2:8000": 2}.get(uid, 0)
+
+    v = FleetView(endpoint_pool(), clock=Clock(), own_count=own)
+    v.apply(inst("c1/10.0.0.1:8000", address="10.0.0.1:8000"))
+    v.apply(inst("c1/10.0.0.2:8000", address="10.0.0.2:8000"))
+    v.rebuild()
+    assert seen == ["c1/10.0.0.1:8000", "c1/10.0.0.2:8000"]
+    assert v.load("c1/10.0.0.1:8000").own_at_snapshot == 5  # type: ignore[union-attr]
+    assert v.load("c1/10.0.0.2:8000").own_at_snapshot == 2  # type: ignore[union-attr]
+
+
+def test_default_own_count_is_zero() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a"))
+    v.rebuild()
+    assert v.load("c1").own_at_snapshot == 0  # type: ignore[union-attr]
+
+
+# -- SchedulingState -----------------------------------------------------------------------------------
+def test_scheduling_state_without_view() -> None:
+    inflight = InFlight()
+    st = SchedulingState(inflight, None)
+    u = Upstream(id="c1", cluster="c1", address=None, weight=1.0)
+    leases = _leases(inflight, u, 3)
+    assert st.load("c1") is None
+    assert st.count("c1") == 3
+    assert st.pending("c1") == 3
+    leases[0].release()
+    assert st.pending("c1") == 2
+    assert st.pending("elsewhere") == 0
+
+
+def test_scheduling_state_pending_since_snapshot() -> None:
+    inflight = InFlight()
+    v = FleetView(cluster_pool(), clock=Clock(NOW + 1), own_count=inflight.count)
+    st = SchedulingState(inflight, v)
+    u = Upstream(id="c1", cluster="c1", address=None, weight=1.0)
+    before = _leases(inflight, u, 10)
+    assert st.pending("c1") == 10  # no snapshot yet: all own in-flight
+    v.apply(inst("c1/a", published_at=NOW, expires_at=NOW + 3))
+    v.rebuild()
+    assert st.load("c1") == v.load("c1")
+    assert st.pending("c1") == 0  # the engines' figures already include those ten
+    after = _leases(inflight, u, 3)
+    assert st.pending("c1") == 3
+    assert st.count("c1") == 13
+    for lease in before[:2]:
+        lease.release()
+    assert st.pending("c1") == 1  # growth since the snapshot: sent since minus finished since
+    for lease in before[2:] + after:
+        lease.release()
+    assert st.count("c1") == 0
+    assert st.pending("c1") == 0  # never negative
+
+
+def test_scheduling_state_pending_back_to_own_when_snapshot_expires() -> None:
+    inflight = InFlight()
+    clock = Clock(NOW)
+    v = FleetView(cluster_pool(), clock=clock, own_count=inflight.count)
+    st = SchedulingState(inflight, v)
+    u = Upstream(id="c1", cluster="c1", address=None, weight=1.0)
+    _leases(inflight, u, 5)
+    v.apply(inst("c1/a", published_at=NOW, expires_at=NOW + 2))
+    v.rebuild()
+    assert st.pending("c1") == 0
+    clock.t = NOW + 2
+    v.rebuild()
+    assert st.load("c1") is None
+    assert st.pending("c1") == 5
+
+
+def test_replace_keeps_state_frozen() -> None:
+    # InstanceState is immutable: the view holds what it was given.
+    a = inst()
+    with pytest.raises(AttributeError):
+        a.num_waiting = 3  # type: ignore[misc]
+    assert replace(a, num_waiting=3).num_waiting == 3

@@ -1,0 +1,487 @@
+"""Unit tests for extproc.publishers.publisher: readiness, snapshot fields, load normalisation into the
+snapshot, configuration, and one publish tick against a simulated engine and a fake Redis client."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from extproc.fleet import snapshot_pb2 as spb
+from extproc.fleet.redis_feed import RedisSettings
+from extproc.fleet.snapshots import decode
+from extproc.publishers.engines import EngineLoad
+from extproc.publishers.publisher import (
+    InstanceSpec,
+    Publisher,
+    PublisherConfig,
+    _fill_load,
+    _Previous,
+    instance_from_dict,
+    load_publisher_config,
+)
+from extproc.sim import SimEngine
+
+SPEC = InstanceSpec(cluster="gpu-a", address="10.0.0.5:8000", models=("llama",), capacity_weight=2.0)
+
+
+def publisher(**kw: Any) -> Publisher:
+    cfg = PublisherConfig(redis=RedisSettings(pool="p"), instances=[SPEC], publisher_id="pub-1", **kw)
+    return Publisher(cfg)
+
+
+def load(**kw: Any) -> EngineLoad:
+    base: dict[str, Any] = {
+        "num_running": 2,
+        "num_waiting": 1,
+        "kv_cache_usage": 0.3,
+        "models": ["from-load"],
+    }
+    base.update(kw)
+    return EngineLoad(**base)
+
+
+# -- readiness -----------------------------------------------------------------------------------------
+def test_health_none_is_down() -> None:
+    p = publisher()
+    assert p.snapshot(SPEC, None, load(), _Previous()).readiness == spb.DOWN
+    prev = _Previous(ready_seen=True)
+    assert p.snapshot(SPEC, None, None, prev).readiness == spb.DOWN
+
+
+def test_spec_draining_is_draining() -> None:
+    p = publisher()
+    spec = InstanceSpec(cluster="gpu-a", address="10.0.0.5:8000", draining=True)
+    assert p.snapshot(spec, 200, load(), _Previous()).readiness == spb.DRAINING
+
+
+def test_health_200_with_load_is_ready() -> None:
+    prev = _Previous()
+    snap = publisher().snapshot(SPEC, 200, load(), prev)
+    assert snap.readiness == spb.READY
+    assert prev.ready_seen
+
+
+def test_not_ready_before_first_ready_is_warming_up() -> None:
+    p = publisher()
+    prev = _Previous()
+    assert p.snapshot(SPEC, 503, None, prev).readiness == spb.WARMING_UP
+    assert p.snapshot(SPEC, 503, load(), prev).readiness == spb.WARMING_UP
+    assert not prev.ready_seen
+
+
+def test_not_200_after_ready_is_draining() -> None:
+    p = publisher()
+    prev = _Previous()
+    assert p.snapshot(SPEC, 200, load(), prev).readiness == spb.READY
+    assert p.snapshot(SPEC, 503, load(), prev).readiness == spb.DRAINING
+    assert p.snapshot(SPEC, 500, None, prev).readiness == spb.DRAINING
+    assert p.snapshot(SPEC, 200, load(), prev).readiness == spb.READY
+
+
+def test_health_200_without_metrics_is_not_ready() -> None:
+    p = publisher()
+    assert p.snapshot(SPEC, 200, None, _Previous()).readiness == spb.WARMING_UP
+    prev = _Previous(ready_seen=True)
+    assert p.snapshot(SPEC, 200, None, prev).readiness != spb.READY
+
+
+# -- snapshot fields -----------------------------------------------------------------------------------
+def test_snapshot_identity_and_publication_fields() -> None:
+    p = publisher(interval_s=1.0)
+    before = int(time.time() * 1000)
+    snap = p.snapshot(SPEC, 200, load(), _Previous())
+    after = int(time.time() * 1000)
+    assert snap.upstream_id == "gpu-a/10.0.0.5:8000"
+    assert snap.cluster == "gpu-a"
+    assert snap.address == "10.0.0.5:8000"
+    assert snap.engine == "vllm"
+    assert snap.capacity_weight == 2.0
+    assert snap.publisher_id == "pub-1"
+    assert before <= snap.published_at_ms <= after
+    assert snap.ttl_ms == 3000
+    assert snap.num_running == 2 and snap.num_waiting == 1
+    assert snap.kv_cache_usage == pytest.approx(0.3)
+
+
+def test_sequence_strictly_increasing() -> None:
+    p = publisher()
+    seqs = [p.snapshot(SPEC, 200, load(), _Previous()).sequence for _ in range(5)]
+    assert seqs == list(range(seqs[0], seqs[0] + 5))
+    assert seqs[0] > int(time.time() * 1000) - 60_000  # seeded from the clock: survives restarts
+
+
+@pytest.mark.parametrize(
+    ("interval", "ttl", "want"), [(1.0, None, 3000), (0.5, None, 2000), (0.1, None, 2000), (1.0, 7.5, 7500)]
+)
+def test_ttl_ms(interval: float, ttl: float | None, want: int) -> None:
+    p = publisher(interval_s=interval, ttl_s=ttl)
+    assert p.config.ttl_ms == want
+    assert p.snapshot(SPEC, 200, load(), _Previous()).ttl_ms == want
+
+
+def test_models_from_spec_else_from_load() -> None:
+    p = publisher()
+    assert list(p.snapshot(SPEC, 200, load(), _Previous()).models) == ["llama"]
+    bare = InstanceSpec(cluster="gpu-a", address="10.0.0.5:8000")
+    assert list(p.snapshot(bare, 200, load(models=["a", "b"]), _Previous()).models) == ["a", "b"]
+    assert list(p.snapshot(bare, None, None, _Previous()).models) == []
+
+
+def test_no_load_leaves_load_fields_unset() -> None:
+    snap = publisher().snapshot(SPEC, 503, None, _Previous())
+    assert (snap.num_running, snap.num_waiting, snap.kv_cache_usage, snap.kv_blocks_total) == (0, 0, 0.0, 0)
+    assert not snap.HasField("ttft_seconds")
+
+
+def test_snapshot_passes_service_validation() -> None:
+    snap = publisher().snapshot(SPEC, 200, load(kv_blocks_total=100), _Previous())
+    st = decode(snap.SerializeToString(), frozenset({"gpu-a"}))
+    assert st.ready and st.weight == 2.0 and st.models == frozenset({"llama"})
+    assert (st.kv_blocks_total, st.kv_blocks_free) == (100, 70)
+
+
+# -- _fill_load ----------------------------------------------------------------------------------------
+def fill(ld: EngineLoad, prev: _Previous | None = None) -> spb.UpstreamSnapshot:
+    snap = spb.UpstreamSnapshot()
+    _fill_load(snap, ld, prev or _Previous())
+    return snap
+
+
+def test_kv_usage_from_blocks_when_fraction_missing() -> None:
+    snap = fill(EngineLoad(kv_blocks_total=200, kv_blocks_free=50))
+    assert snap.kv_cache_usage == pytest.approx(0.75)
+    assert (snap.kv_blocks_total, snap.kv_blocks_free) == (200, 50)
+
+
+def test_kv_blocks_free_estimated_from_usage() -> None:
+    snap = fill(EngineLoad(kv_cache_usage=0.3, kv_blocks_total=1000))
+    assert snap.kv_blocks_free == 700
+    snap = fill(EngineLoad(kv_cache_usage=1.2, kv_blocks_total=1000))
+    assert snap.kv_blocks_free == 0
+    assert snap.kv_cache_usage == pytest.approx(1.2)  # not clamped here; readers clamp
+
+
+def test_kv_blocks_free_clamped_to_total() -> None:
+    snap = fill(EngineLoad(kv_cache_usage=0.1, kv_blocks_total=100, kv_blocks_free=150))
+    assert (snap.kv_blocks_total, snap.kv_blocks_free) == (100, 100)
+
+
+def test_no_blocks_total_leaves_blocks_unset() -> None:
+    snap = fill(EngineLoad(kv_cache_usage=0.4, kv_blocks_free=10))
+    assert (snap.kv_blocks_total, snap.kv_blocks_free) == (0, 0)
+    assert snap.kv_cache_usage == pytest.approx(0.4)
+
+
+def test_counts_clamped() -> None:
+    snap = fill(EngineLoad(num_running=2_000_000.0, num_waiting=-3.0, block_size=16, max_model_len=3.7))
+    assert (snap.num_running, snap.num_waiting, snap.block_size, snap.max_model_len) == (1_000_000, 0, 16, 3)
+    snap = fill(EngineLoad())
+    assert (snap.num_running, snap.num_waiting, snap.block_size, snap.max_model_len) == (0, 0, 0, 0)
+
+
+def test_negative_kv_usage_becomes_zero() -> None:
+    assert fill(EngineLoad(kv_cache_usage=-0.2)).kv_cache_usage == 0.0
+
+
+def test_gpu_utilization_copied_when_present() -> None:
+    assert fill(EngineLoad(gpu_utilization=0.66)).gpu_utilization == pytest.approx(0.66)
+    assert not fill(EngineLoad()).HasField("gpu_utilization")
+
+
+def test_ttft_tpot_interval_means() -> None:
+    prev = _Previous()
+    s1 = fill(EngineLoad(ttft_sum=10.0, ttft_count=5, tpot_sum=1.0, tpot_count=100), prev)
+    assert not s1.HasField("ttft_seconds") and not s1.HasField("tpot_seconds")  # first scrape
+    s2 = fill(EngineLoad(ttft_sum=13.0, ttft_count=8, tpot_sum=3.0, tpot_count=300), prev)
+    assert s2.ttft_seconds == pytest.approx(1.0)
+    assert s2.tpot_seconds == pytest.approx(0.01)
+    s3 = fill(EngineLoad(ttft_sum=13.0, ttft_count=8, tpot_sum=3.0, tpot_count=300), prev)
+    assert not s3.HasField("ttft_seconds")  # no new requests in the interval
+    # Engine restart: counters go backwards. No mean from that scrape; the next one counts again.
+    s4 = fill(EngineLoad(ttft_sum=0.5, ttft_count=1, tpot_sum=0.1, tpot_count=10), prev)
+    assert not s4.HasField("ttft_seconds") and not s4.HasField("tpot_seconds")
+    s5 = fill(EngineLoad(ttft_sum=2.5, ttft_count=3, tpot_sum=0.4, tpot_count=20), prev)
+    assert s5.ttft_seconds == pytest.approx(1.0)
+    assert s5.tpot_seconds == pytest.approx(0.03)
+
+
+def test_missing_histogram_keeps_previous_counters() -> None:
+    prev = _Previous()
+    fill(EngineLoad(ttft_sum=1.0, ttft_count=1), prev)
+    fill(EngineLoad(), prev)  # a scrape without the histogram
+    assert prev.ttft == (1.0, 1)
+    assert fill(EngineLoad(ttft_sum=3.0, ttft_count=3), prev).ttft_seconds == pytest.approx(1.0)
+
+
+def test_prefix_hit_rate_interval_and_fallback() -> None:
+    prev = _Previous()
+    s1 = fill(EngineLoad(prefix_cache_hits=100, prefix_cache_queries=400), prev)
+    assert not s1.HasField("prefix_cache_hit_rate")
+    s2 = fill(EngineLoad(prefix_cache_hits=400, prefix_cache_queries=800), prev)
+    assert s2.prefix_cache_hit_rate == pytest.approx(0.75)
+    s3 = fill(EngineLoad(prefix_cache_hits=0, prefix_cache_queries=0), prev)  # restart
+    assert not s3.HasField("prefix_cache_hit_rate")
+    # An engine that reports a rate directly, used when no interval rate exists.
+    s4 = fill(EngineLoad(prefix_cache_hit_rate=0.4), _Previous())
+    assert s4.prefix_cache_hit_rate == pytest.approx(0.4)
+    s5 = fill(EngineLoad(prefix_cache_hit_rate=1.7), _Previous())
+    assert s5.prefix_cache_hit_rate == 1.0
+
+
+# -- configuration -------------------------------------------------------------------------------------
+def write(tmp_path: Path, doc: Any) -> str:
+    path = tmp_path / "publisher.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _no_env_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LLM_EXTPROC_REDIS_PASSWORD", raising=False)
+
+
+def test_load_config_file(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        {
+            "redis": {"url": "redis://r:6379/1", "pool": "prod", "resync_interval_s": 2.0},
+            "interval_s": 0.5,
+            "ttl_s": 4.0,
+            "publisher_id": "p-9",
+            "instances": [
+                {"cluster": "gpu-a", "address": "10.0.0.1:8000", "engine": "sglang", "models": ["x"]},
+                {"cluster": "gpu-b", "address": "[::1]:9000", "capacity_weight": 3, "draining": True},
+            ],
+        },
+    )
+    cfg = load_publisher_config(path)
+    assert cfg.redis.url == "redis://r:6379/1"
+    assert cfg.redis.pool == "prod"
+    assert cfg.redis.resync_interval_s == 2.0
+    assert cfg.redis.password is None
+    assert cfg.redis.key("gpu-a/10.0.0.1:8000") == "llm-extproc:prod:snap:gpu-a/10.0.0.1:8000"
+    assert (cfg.interval_s, cfg.ttl_s, cfg.ttl_ms, cfg.publisher_id) == (0.5, 4.0, 4000, "p-9")
+    assert cfg.envoy_admin is None
+    a, b = cfg.instances
+    assert (a.cluster, a.address, a.engine, a.models, a.capacity_weight) == (
+        "gpu-a",
+        "10.0.0.1:8000",
+        "sglang",
+        ("x",),
+        1.0,
+    )
+    assert (b.address, b.capacity_weight, b.draining, b.engine) == ("[::1]:9000", 3.0, True, "vllm")
+
+
+def test_load_config_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLM_EXTPROC_REDIS_PASSWORD", "s3cret")
+    path = write(
+        tmp_path, {"redis": {"url": "redis://file:6379/0", "pool": "file"}, "envoy_admin": "http://e"}
+    )
+    cfg = load_publisher_config(path, redis_url="redis://cli:6379/2", redis_pool="cli", interval_s=None)
+    assert (cfg.redis.url, cfg.redis.pool, cfg.redis.password) == ("redis://cli:6379/2", "cli", "s3cret")
+    assert cfg.envoy_admin == "http://e"
+    assert cfg.interval_s == 1.0  # a None override is ignored
+
+
+def test_load_config_without_file() -> None:
+    cfg = load_publisher_config(None, envoy_admin="http://127.0.0.1:9901", redis_pool="x")
+    assert cfg.instances == []
+    assert cfg.redis.pool == "x"
+    assert cfg.redis.url == "redis://127.0.0.1:6379/0"
+    assert cfg.publisher_id  # host-pid by default
+
+
+@pytest.mark.parametrize(
+    ("doc", "match"),
+    [
+        ({"envoy_admin": "http://e", "colour": "red"}, "unknown keys"),
+        ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "engine": "ollama"}]}, "unknown engine"),
+        ({"instances": [{"cluster": "c", "address": "host.local:80"}]}, "ip:port"),
+        ({"instances": [{"cluster": "c", "address": "10.0.0.1"}]}, "ip:port"),
+        (
+            {"instances": [{"cluster": "c", "address": "10.0.0.1:80", "capacity_weight": 0}]},
+            "capacity_weight",
+        ),
+        (
+            {"instances": [{"cluster": "c", "address": "10.0.0.1:80", "capacity_weight": -1}]},
+            "capacity_weight",
+        ),
+        (
+            {"instances": [{"cluster": "c", "address": "10.0.0.1:80", "capacity_weight": True}]},
+            "capacity_weight",
+        ),
+        ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "models": "x"}]}, "models"),
+        ({"instances": [{"address": "10.0.0.1:80"}]}, "cluster"),
+        ({"instances": []}, "instances"),
+        ({"redis": {"pool": "p"}}, "envoy_admin"),
+        ({"envoy_admin": "http://e", "interval_s": 0}, "interval_s"),
+        ({"envoy_admin": "http://e", "redis": "redis://x"}, "redis"),
+    ],
+)
+def test_load_config_errors(tmp_path: Path, doc: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_publisher_config(write(tmp_path, doc))
+
+
+def test_load_config_top_level_not_mapping(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mapping"):
+        load_publisher_config(write(tmp_path, ["a", "b"]))
+
+
+def test_load_config_unknown_redis_key_is_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        load_publisher_config(write(tmp_path, {"envoy_admin": "http://e", "redis": {"hots": "x"}}))
+
+
+def test_load_config_non_numeric_interval_is_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        load_publisher_config(write(tmp_path, {"envoy_admin": "http://e", "interval_s": "fast"}))
+
+
+@pytest.mark.parametrize("ttl", [0.05, -1.0, 7200.0])
+def test_load_config_ttl_outside_reader_limits_rejected(tmp_path: Path, ttl: float) -> None:
+    with pytest.raises(ValueError):
+        load_publisher_config(write(tmp_path, {"envoy_admin": "http://e", "ttl_s": ttl}))
+
+
+def test_instance_from_dict_defaults() -> None:
+    spec = instance_from_dict({"cluster": "gpu-a", "address": "10.0.0.5:8000"})
+    assert spec == InstanceSpec(
+        cluster="gpu-a",
+        address="10.0.0.5:8000",
+        engine="vllm",
+        models=(),
+        capacity_weight=1.0,
+        draining=False,
+        metrics_path="/metrics",
+        health_path="/health",
+    )
+    assert spec.upstream_id == "gpu-a/10.0.0.5:8000"
+    assert spec.url(spec.metrics_path) == "http://10.0.0.5:8000/metrics"
+
+
+def test_instance_from_dict_all_fields() -> None:
+    spec = instance_from_dict(
+        {
+            "cluster": "c",
+            "address": "10.0.0.1:30000",
+            "engine": "trtllm",
+            "models": ["a"],
+            "capacity_weight": 2,
+            "draining": 1,
+            "metrics_path": "/m",
+            "health_path": "/v2/health/ready",
+        }
+    )
+    assert spec.capacity_weight == 2.0 and isinstance(spec.capacity_weight, float)
+    assert (spec.engine, spec.models, spec.draining) == ("trtllm", ("a",), True)
+    assert spec.url(spec.health_path) == "http://10.0.0.1:30000/v2/health/ready"
+
+
+# -- one tick: simulated engine -> fake Redis ----------------------------------------------------------
+class FakePipeline:
+    def __init__(self, owner: FakeRedis, transaction: bool) -> None:
+        self.owner = owner
+        self.transaction = transaction
+        self.queued: list[tuple[Any, ...]] = []
+
+    async def __aenter__(self) -> FakePipeline:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def set(self, key: str, data: bytes, px: int | None = None) -> FakePipeline:
+        self.queued.append(("set", key, data, px))
+        return self
+
+    def publish(self, channel: str, data: bytes) -> FakePipeline:
+        self.queued.append(("publish", channel, data))
+        return self
+
+    async def execute(self) -> list[Any]:
+        if self.owner.fail:
+            raise ConnectionError("redis down")
+        self.owner.executed.append(list(self.queued))
+        return [True] * len(self.queued)
+
+
+class FakeRedis:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.pipelines: list[FakePipeline] = []
+        self.executed: list[list[tuple[Any, ...]]] = []
+
+    def pipeline(self, transaction: bool = True) -> FakePipeline:
+        pipe = FakePipeline(self, transaction)
+        self.pipelines.append(pipe)
+        return pipe
+
+
+async def test_tick_publishes_scraped_snapshot() -> None:
+    engine = SimEngine("e", "m")
+    port = await engine.start("127.0.0.1", 0)
+    try:
+        addr = f"127.0.0.1:{port}"
+        cfg = PublisherConfig(
+            redis=RedisSettings(pool="pool1"),
+            instances=[InstanceSpec(cluster="c1", address=addr)],
+            publisher_id="pub-t",
+            ttl_s=5.0,
+        )
+        pub = Publisher(cfg)
+        redis = FakeRedis()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            snaps = await pub.tick(session, redis)
+        assert len(snaps) == 1
+        assert pub.published == 1
+        assert [p.transaction for p in redis.pipelines] == [False]
+        assert len(redis.executed) == 1
+        (op_set, op_pub) = redis.executed[0]
+        assert op_set[0] == "set"
+        assert op_set[1] == f"llm-extproc:pool1:snap:c1/{addr}"
+        assert op_set[3] == 5000 == snaps[0].ttl_ms
+        assert op_pub[:2] == ("publish", "llm-extproc:pool1:events")
+        assert op_pub[2] == op_set[2]
+        st = decode(op_pub[2], frozenset({"c1"}))
+        assert st.ready
+        assert st.upstream_id == f"c1/{addr}"
+        assert st.address == addr
+        assert st.models == frozenset({"m"})
+        assert st.publisher_id == "pub-t"
+        assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (0, 0, 0.0)
+        assert (st.kv_blocks_total, st.kv_blocks_free, st.block_size) == (4096, 4096, 16)
+
+        # The engine reports "loading": the next tick publishes DRAINING (it was ready before).
+        engine.ready = False
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            snaps2 = await pub.tick(session, redis)
+        assert snaps2[0].readiness == spb.DRAINING
+        assert snaps2[0].sequence > snaps[0].sequence
+        assert pub.published == 2
+    finally:
+        await engine.stop()
+
+
+async def test_tick_unreachable_engine_is_down_and_redis_failure_is_swallowed() -> None:
+    engine = SimEngine("e", "m")
+    port = await engine.start("127.0.0.1", 0)
+    await engine.stop()  # the port is now closed: connection refused
+    cfg = PublisherConfig(
+        redis=RedisSettings(),
+        instances=[InstanceSpec(cluster="c1", address=f"127.0.0.1:{port}")],
+        publisher_id="pub-t",
+    )
+    pub = Publisher(cfg)
+    redis = FakeRedis(fail=True)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        snaps = await pub.tick(session, redis)
+    assert [s.readiness for s in snaps] == [spb.DOWN]
+    assert pub.published == 0
+    assert redis.executed == []
