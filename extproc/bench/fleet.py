@@ -194,9 +194,70 @@ async def run_fleet_bench(out_dir: Path = Path("out/fleet")) -> int:
             f"through redis-server pub/sub: {red['snapshots_per_s']:,.0f} snapshots/s "
             f"({red['applied']:.0f}/{red['published']} applied)"
         )
+        out = await outage_latency(out_dir=out_dir)
+        report["outage"] = out
+        print(
+            f"request latency through Envoy, Redis up: p50 {out['up_p50_ms']:.2f} ms "
+            f"p99 {out['up_p99_ms']:.2f} ms; "
+            f"Redis stopped: p50 {out['down_p50_ms']:.2f} ms p99 {out['down_p99_ms']:.2f} ms "
+            f"({out['down_errors']} errors)"
+        )
     except FileNotFoundError as exc:
-        print(f"(skipped the Redis measurement: {exc})")
+        print(f"(skipped the Redis measurements: {exc})")
     path = out_dir / "results.json"
     path.write_text(json.dumps(report, indent=2))
     print(f"results: {path}")
     return 0
+
+
+async def outage_latency(requests: int = 600, out_dir: Path = Path("out/fleet")) -> dict[str, float]:
+    """Request latency through real Envoy + service with Redis up, then right after Redis is stopped
+    (snapshots still fresh): the request path must not notice the outage."""
+    from extproc.bench.loadgen import closed_loop, summarize
+    from extproc.gateway import LocalGateway
+    from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+    from extproc.sim import EngineGroup
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    group = EngineGroup([0.0, 0.0], "sim-llama")
+    redis = RedisProcess(out_dir / "outage-redis.log").start()
+    clusters = {"gpu-a": [group.ports[0]], "gpu-b": [group.ports[1]]}
+    service = {
+        "pool": {"clusters": [{"name": c, "models": ["sim-llama"]} for c in clusters]},
+        "fleet": {"url": redis.url},
+    }
+    gw = LocalGateway(out_dir / "outage", clusters=clusters, service=service)
+    publisher = Publisher(
+        PublisherConfig(
+            redis=RedisSettings(url=redis.url),
+            instances=[InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
+            interval_s=0.5,
+            ttl_s=60.0,  # long enough that the snapshots stay fresh through the measurement
+        )
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+    body = {"model": "sim-llama", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 500}]}
+    url = gw.url + "/v1/chat/completions"
+    try:
+        gw.start()
+        await asyncio.sleep(1.5)
+        await closed_loop(url, body, 50, 1)
+        up = summarize("redis up", *(await closed_loop(url, body, requests, 1)))
+        stop.set()
+        await task
+        redis.stop()
+        await asyncio.sleep(0.5)
+        down = summarize("redis down", *(await closed_loop(url, body, requests, 1)))
+    finally:
+        stop.set()
+        gw.stop()
+        redis.stop()
+        group.close()
+    return {
+        "up_p50_ms": up.e2e_p50_ms or 0.0,
+        "up_p99_ms": up.e2e_p99_ms or 0.0,
+        "down_p50_ms": down.e2e_p50_ms or 0.0,
+        "down_p99_ms": down.e2e_p99_ms or 0.0,
+        "down_errors": down.errors,
+    }
