@@ -102,9 +102,11 @@ class RedisFeed:
 
     async def _load(self, client: aioredis.Redis, keys: list[bytes]) -> int:
         values = await client.mget(keys)
-        for v in values:
+        for i, v in enumerate(values):
             if v is not None:
                 self.ingest(v)
+            if i % 100 == 99:
+                await asyncio.sleep(0)  # let requests in: decoding 500 snapshots takes ~10 ms
         return len(values)
 
     async def _follow(self) -> None:
