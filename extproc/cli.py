@@ -1,4 +1,4 @@
-"""Command line: `llm-extproc serve | check-config | publish | sim | demo | bench-overhead`."""
+"""Command line: `llm-extproc serve | check-config | publish | sim | demo | bench[-overhead|-fleet]`."""
 
 from __future__ import annotations
 
@@ -77,6 +77,32 @@ def _demo(args: argparse.Namespace) -> int:
     return _run(run_demo(requests=args.requests, rate=args.rate, out_dir=Path(args.out)))
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from extproc.bench.report import Slo
+    from extproc.bench.scenarios import Target, run_bench
+
+    targets = []
+    for spec in args.target:
+        name, sep, url = spec.partition("=")
+        if not sep or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--target must be NAME=URL (http...), got {spec!r}")
+        targets.append(Target(name, url))
+    reports = _run(
+        run_bench(
+            workload=args.workload,
+            targets=targets,
+            rate=args.rate,
+            count=args.count,
+            seed=args.seed,
+            model=args.model,
+            slo=Slo(args.slo_ttft, args.slo_tpot),
+            warmup=args.warmup,
+            out_dir=Path(args.out),
+        )
+    )
+    return 0 if all(r.errors == 0 for r in reports) else 1
+
+
 def _fleet_bench(args: argparse.Namespace) -> int:
     from extproc.bench.fleet import run_fleet_bench
 
@@ -145,6 +171,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=14.0, help="open-loop arrival rate, requests/s")
     p.add_argument("--out", default="out/demo")
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("bench", help="run a named workload against OpenAI-compatible targets, side by side")
+    p.add_argument(
+        "--workload", default="shared-prefix", help="shared-prefix | multi-turn | long-context | bursty"
+    )
+    p.add_argument("--target", action="append", required=True, help="NAME=BASE_URL, repeatable")
+    p.add_argument("--rate", type=float, default=5.0, help="mean arrival rate, requests/s (open loop)")
+    p.add_argument("--count", type=int, default=200, help="timed requests (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="sim-llama")
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO: time to first token, s")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO: time per output token, s")
+    p.add_argument("--out", default="out/bench")
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("bench-overhead", help="latency/throughput through Envoy with vs without llm-extproc")
     p.add_argument("--requests", type=int, default=400)

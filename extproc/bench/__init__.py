@@ -1,5 +1,20 @@
-"""Benchmark tooling: load generation and side-by-side reports."""
+"""Benchmark tooling: named workloads, load generation, side-by-side reports and plots."""
 
-from extproc.bench.loadgen import Result, Summary, closed_loop, format_table, open_loop, percentile, summarize
+from extproc.bench.loadgen import closed_loop, one_request, open_loop
+from extproc.bench.report import Report, RequestRecord, Slo, format_table, summarize, write_json
+from extproc.bench.workloads import WORKLOADS, Workload, make_workload
 
-__all__ = ["Result", "Summary", "closed_loop", "format_table", "open_loop", "percentile", "summarize"]
+__all__ = [
+    "WORKLOADS",
+    "Report",
+    "RequestRecord",
+    "Slo",
+    "Workload",
+    "closed_loop",
+    "format_table",
+    "make_workload",
+    "one_request",
+    "open_loop",
+    "summarize",
+    "write_json",
+]

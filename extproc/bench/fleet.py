@@ -213,7 +213,8 @@ async def run_fleet_bench(out_dir: Path = Path("out/fleet")) -> int:
 async def outage_latency(requests: int = 600, out_dir: Path = Path("out/fleet")) -> dict[str, float]:
     """Request latency through real Envoy + service with Redis up, then right after Redis is stopped
     (snapshots still fresh): the request path must not notice the outage."""
-    from extproc.bench.loadgen import closed_loop, summarize
+    from extproc.bench.loadgen import closed_loop
+    from extproc.bench.report import summarize
     from extproc.gateway import LocalGateway
     from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
     from extproc.sim import EngineGroup

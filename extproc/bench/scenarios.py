@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extproc.bench.loadgen import Summary, closed_loop, format_table, open_loop, summarize
+from extproc.bench.loadgen import closed_loop, open_loop
+from extproc.bench.report import Report, RequestRecord, Slo, format_table, plot, summarize, write_json
+from extproc.bench.workloads import make_workload
 from extproc.fleet.redis_feed import RedisSettings
 from extproc.gateway import (
     ENVOY_DIR,
@@ -80,20 +82,22 @@ class Baselines:
             proc.stop()
 
 
-def demo_requests(n: int, seed: int = 1) -> list[dict[str, Any]]:
-    """Streaming chats with varied prompt and output lengths (16..64 output tokens)."""
+def demo_requests(n: int, rate: float, seed: int = 1) -> list[tuple[float, dict[str, Any], str]]:
+    """Streaming chats with varied prompt and output lengths (16..64 output tokens), Poisson arrivals."""
     rng = random.Random(seed)
     out = []
+    t = 0.0
     for i in range(n):
         words = rng.randint(20, 400)
-        out.append(
-            {
-                "model": MODEL,
-                "stream": True,
-                "max_tokens": rng.randint(16, 64),
-                "messages": [{"role": "user", "content": f"request {i}: " + "lorem ipsum " * words}],
-            }
-        )
+        body = {
+            "model": MODEL,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": rng.randint(16, 64),
+            "messages": [{"role": "user", "content": f"request {i}: " + "lorem ipsum " * words}],
+        }
+        out.append((t, body, "demo"))
+        t += rng.expovariate(rate)
     return out
 
 
@@ -124,7 +128,7 @@ async def run_demo(
     )
     stop_publishing = asyncio.Event()
     publishing = asyncio.create_task(publisher.run(stop_publishing))
-    summaries: list[Summary] = []
+    summaries: list[Report] = []
     try:
         print(
             "starting llm-extproc (with and without fleet state) and Envoy (with ext_proc, and two baselines)"
@@ -136,12 +140,12 @@ async def run_demo(
             Target("llm-extproc own counts", static.url),
             *baselines.start(),
         ]
-        bodies = demo_requests(requests)
+        workload = demo_requests(requests, rate)
         for t in targets:
             print(f"  {t.name}: {requests} streaming requests, open loop at {rate:.0f} req/s ...", flush=True)
-            await open_loop(t.url + "/v1/chat/completions", bodies[:10], rate)  # warm-up
-            results, wall = await open_loop(t.url + "/v1/chat/completions", bodies, rate)
-            summaries.append(summarize(t.name, results, wall))
+            await open_loop(t.url + "/v1/chat/completions", workload[:10])  # warm-up
+            records, wall = await open_loop(t.url + "/v1/chat/completions", workload)
+            summaries.append(summarize(t.name, records, wall, instances=[e.name for e in group.engines]))
             await asyncio.sleep(1.0)  # let queues drain between policies
     finally:
         stop_publishing.set()
@@ -274,3 +278,44 @@ async def run_overhead(
     path.write_text(json.dumps({"scenario": "ext_proc overhead, 3 KB buffered body", "rows": rows}, indent=2))
     print(f"results: {path}")
     return 0
+
+
+async def run_bench(
+    *,
+    workload: str,
+    targets: list[Target],
+    rate: float,
+    count: int,
+    seed: int = 0,
+    model: str = MODEL,
+    slo: Slo | None = None,
+    warmup: int = 10,
+    out_dir: Path = Path("out/bench"),
+    params: dict[str, Any] | None = None,
+) -> list[Report]:
+    """`llm-extproc bench`: the same named workload, open loop, against each target in turn."""
+    wl = make_workload(workload, rate=rate, count=count + warmup, seed=seed, model=model, **(params or {}))
+    requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
+    warm, timed = requests[:warmup], requests[warmup:]
+    start = timed[0][0] if timed else 0.0
+    timed = [(a - start, b, t) for a, b, t in timed]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports: list[Report] = []
+    records_by_policy: dict[str, list[RequestRecord]] = {}
+    for t in targets:
+        url = t.url.rstrip("/") + "/v1/chat/completions"
+        if warm:
+            await open_loop(url, warm)
+        records, wall = await open_loop(url, timed, progress=f"{t.name} ({workload})")
+        reports.append(summarize(t.name, records, wall, slo))
+        records_by_policy[t.name] = records
+    print(format_table(reports))
+    meta = {"workload": wl.name, "params": wl.params, "targets": {t.name: t.url for t in targets}}
+    write_json(out_dir / f"{workload}.json", reports, meta)
+    try:
+        paths = plot(out_dir / workload, records_by_policy, slo=slo)
+        print("plots: " + ", ".join(str(p) for p in paths))
+    except ImportError as exc:
+        print(f"(no plots: {exc})")
+    print(f"results: {out_dir / f'{workload}.json'}")
+    return reports
