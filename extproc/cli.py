@@ -62,12 +62,22 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
+    from extproc.sim.profiles import PROFILES
     from extproc.sim.server import run_engines
 
+    profiles = None
+    if args.profile:
+        names = [x.strip() for x in args.profile.split(",") if x.strip()]
+        unknown = [n for n in names if n not in PROFILES]
+        if unknown:
+            raise ValueError(f"unknown profile(s) {unknown}; known: {sorted(PROFILES)}")
+        if len(names) == 1:
+            names = names * args.count
+        profiles = [PROFILES[n] for n in names]
     delays = [float(x) / 1000.0 for x in str(args.token_delay_ms).split(",") if x.strip()]
     if len(delays) == 1:
-        delays = delays * args.count
-    _run(run_engines(args.host, args.port, delays, args.model, args.max_batch))
+        delays = delays * (len(profiles) if profiles else args.count)
+    _run(run_engines(args.host, args.port, delays, args.model, args.max_batch, profiles, args.time_scale))
     return 0
 
 

@@ -11,11 +11,22 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from extproc.sim.profiles import GpuProfile
 from extproc.sim.server import SimEngine
 
 
 class EngineGroup:
-    def __init__(self, delays_s: Sequence[float], model: str, *, max_batch: int = 0) -> None:
+    def __init__(
+        self,
+        delays_s: Sequence[float],
+        model: str,
+        *,
+        max_batch: int = 0,
+        profiles: Sequence[GpuProfile | None] | None = None,
+        time_scale: float = 1.0,
+    ) -> None:
+        """One engine per entry of `delays_s` (fixed-cost engines), or, with `profiles`, one model-driven
+        engine per profile (None entries stay fixed-cost)."""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
         self._thread.start()

@@ -18,6 +18,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.sim.driver import ModelDriver
+from extproc.sim.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
+from extproc.sim.profiles import GpuProfile
+from extproc.sim.tokens import chat_to_tokens, token_text, tokenize
 
 SIM_GPU_BLOCKS = 4096
 ROUTING_HEADERS = ("x-llm-destination-cluster", "x-gateway-destination-endpoint")
@@ -46,8 +53,17 @@ class SimEngine:
         token_delay_s: float = 0.005,
         default_tokens: int = 16,
         max_batch: int = 0,
+        *,
+        profile: GpuProfile | None = None,
+        time_scale: float = 1.0,
+        ready_delay_s: float = 0.0,
     ) -> None:
         self.name = name
+        # With a profile, generation follows the engine model (batching, KV cache with prefix reuse,
+        # preemption) in virtual time scaled by time_scale; without, a fixed cost per token.
+        self.driver: ModelDriver | None = None
+        if profile is not None:
+            self.driver = ModelDriver(EngineModel(profile, ready_at=ready_delay_s * time_scale), time_scale)
         self.ready = True  # /health answers 503 while False (model "loading")
         self._slots: asyncio.Semaphore | None = asyncio.Semaphore(max_batch) if max_batch > 0 else None
         self.model = model
@@ -64,6 +80,10 @@ class SimEngine:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/get_load", self._get_load),
+                web.get("/server_info", self._server_info),
+                web.post("/v1/chat/completions/render", self._render_chat),
+                web.post("/v1/completions/render", self._render_completion),
                 web.get("/sim/stats", self._stats),
             ]
         )
@@ -77,9 +97,13 @@ class SimEngine:
         await site.start()
         sockets = site._server.sockets  # type: ignore[union-attr]
         self.port = sockets[0].getsockname()[1]
+        if self.driver is not None:
+            self.driver.start()
         return self.port
 
     async def stop(self) -> None:
+        if self.driver is not None:
+            await self.driver.stop()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -103,6 +127,8 @@ class SimEngine:
         if not isinstance(n_tokens, int):
             return _error(400, "max_tokens must be an integer")
         n_tokens = max(1, min(n_tokens, 4096))
+        if self.driver is not None:
+            return await self._generate_model(request, doc, chat, n_tokens)
         prompt_tokens = max(1, len(body) // 4)
         self.stats.active += 1
         self.stats.max_active = max(self.stats.max_active, self.stats.active)
@@ -225,7 +251,147 @@ class SimEngine:
             headers={"x-sim-engine": self.name},
         )
 
+    async def _generate_model(
+        self, request: web.Request, doc: dict[str, Any], chat: bool, n_tokens: int
+    ) -> web.StreamResponse:
+        assert self.driver is not None
+        tokens = _prompt_tokens(doc, chat)
+        if not tokens:
+            return _error(400, "empty prompt")
+        if len(tokens) >= self.driver.model.profile.max_model_len:
+            return _error(400, f"prompt of {len(tokens)} tokens exceeds the model's context")
+        rid = f"sim-{uuid.uuid4().hex[:12]}"
+        model = doc.get("model", self.model)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        stream = bool(doc.get("stream"))
+        resp: web.StreamResponse | None = None
+        pieces: list[str] = []
+        self.stats.active += 1
+        try:
+            async for ev in self.driver.generate(tokens, n_tokens):
+                if isinstance(ev, FirstTokenEvent):
+                    self._ttft.observe(ev.ttft / self.driver.time_scale)
+                elif isinstance(ev, TokenEvent):
+                    piece = token_text(ev.token_id)
+                    if not stream:
+                        pieces.append(piece)
+                        continue
+                    if resp is None:
+                        resp = await self._sse_start(request)
+                    delta: dict[str, Any] = (
+                        {
+                            "index": 0,
+                            "delta": {"content": piece} | ({"role": "assistant"} if ev.index == 0 else {}),
+                        }
+                        if chat
+                        else {"index": 0, "text": piece}
+                    )
+                    delta["finish_reason"] = None
+                    await resp.write(_sse({"id": rid, "object": obj, "model": model, "choices": [delta]}))
+                elif isinstance(ev, FinishedEvent):
+                    usage = _usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+                    self.stats.completed += 1
+                    if not stream:
+                        return self._json_completion(rid, model, chat, "".join(pieces), usage)
+                    if resp is None:
+                        resp = await self._sse_start(request)
+                    end = {"index": 0, "finish_reason": "length", **({"delta": {}} if chat else {"text": ""})}
+                    await resp.write(_sse({"id": rid, "object": obj, "model": model, "choices": [end]}))
+                    if (doc.get("stream_options") or {}).get("include_usage"):
+                        await resp.write(
+                            _sse({"id": rid, "object": obj, "model": model, "choices": [], "usage": usage})
+                        )
+                    await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+                    return resp
+        except asyncio.CancelledError:
+            self.stats.disconnected += 1
+            raise
+        finally:
+            self.stats.active -= 1
+        return _error(500, "generation ended without finishing")
+
+    async def _sse_start(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "content-type": "text/event-stream",
+                "cache-control": "no-cache",
+                "x-sim-engine": self.name,
+            }
+        )
+        await resp.prepare(request)
+        return resp
+
+    def _json_completion(
+        self, rid: str, model: str, chat: bool, text: str, usage: dict[str, Any]
+    ) -> web.Response:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": model,
+                "system_fingerprint": self.name,
+                "choices": [choice],
+                "usage": usage,
+            },
+            headers={"x-sim-engine": self.name},
+            dumps=lambda o: orjson.dumps(o).decode(),
+        )
+
+    async def _get_load(self, request: web.Request) -> web.Response:
+        running, waiting = self._load()
+        return web.json_response({"load": running + waiting, "num_running": running, "num_waiting": waiting})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        info: dict[str, Any] = {
+            "served_model_name": self.model,
+            "engine": "llm-extproc-sim",
+            "name": self.name,
+        }
+        if self.driver is not None:
+            p = self.driver.model.profile
+            info |= {
+                "profile": p.name,
+                "max_total_num_tokens": p.kv_capacity_tokens,
+                "page_size": p.block_size,
+                "max_model_len": p.max_model_len,
+                "time_scale": self.driver.time_scale,
+            }
+        return web.json_response(info)
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=True)
+
+    async def _render_completion(self, request: web.Request) -> web.Response:
+        return await self._render(request, chat=False)
+
+    async def _render(self, request: web.Request, *, chat: bool) -> web.Response:
+        """The prompt's token ids as this engine sees them (the simulator's own tokenizer)."""
+        try:
+            doc = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return _error(400, "invalid JSON")
+        if not isinstance(doc, dict):
+            return _error(400, "body must be an object")
+        ids = _prompt_tokens(doc, chat)
+        return web.json_response(
+            {"prompt_token_ids": ids, "count": len(ids), "model": doc.get("model", self.model)}
+        )
+
+    def _load(self) -> tuple[int, int]:
+        if self.driver is not None:
+            return self.driver.model.num_running, self.driver.model.num_waiting
+        return self.stats.running, self.stats.active - self.stats.running
+
     async def _health(self, request: web.Request) -> web.Response:
+        if self.driver is not None and not self.driver.model.ready(self.driver.now()):
+            return web.Response(status=503, text="loading")
         if not self.ready:
             return web.Response(status=503, text="loading")
         return web.Response(text="ok")
@@ -236,33 +402,42 @@ class SimEngine:
         )
 
     def _setup_metrics(self, max_batch: int) -> None:
-        """vLLM's metric names and labels, so publishers scrape the simulator exactly like vLLM.
-        KV usage is approximated as the share of batch slots in use: this engine has no KV cache model."""
+        """vLLM's metric names and labels, so publishers scrape the simulator exactly like vLLM. With the
+        engine model, KV usage and prefix-cache counters are the model's; without it, KV usage is the
+        share of batch slots in use (the fixed-cost engine has no KV cache)."""
         labels = {"model_name": self.model, "engine": "0"}
+        names = list(labels)
         self.registry = CollectorRegistry()
         running = Gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            list(labels),
+            names,
             registry=self.registry,
         )
-        running.labels(**labels).set_function(lambda: self.stats.running)
+        running.labels(**labels).set_function(lambda: self._load()[0])
         waiting = Gauge(
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            list(labels),
+            names,
             registry=self.registry,
         )
-        waiting.labels(**labels).set_function(lambda: self.stats.active - self.stats.running)
+        waiting.labels(**labels).set_function(lambda: self._load()[1])
         kv = Gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            list(labels),
+            names,
             registry=self.registry,
         )
         slots = max_batch or 64
-        kv.labels(**labels).set_function(lambda: min(1.0, self.stats.running / slots))
-        info_labels = {**labels, "block_size": "16", "num_gpu_blocks": str(SIM_GPU_BLOCKS)}
+        driver = self.driver
+        if driver is not None:
+            kv.labels(**labels).set_function(lambda: driver.model.kv_usage)
+            block_size, blocks = driver.model.profile.block_size, driver.model.profile.num_gpu_blocks
+            self.registry.register(_PrefixCacheCollector(driver.model, labels))
+        else:
+            kv.labels(**labels).set_function(lambda: min(1.0, self.stats.running / slots))
+            block_size, blocks = 16, SIM_GPU_BLOCKS
+        info_labels = {**labels, "block_size": str(block_size), "num_gpu_blocks": str(blocks)}
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -273,7 +448,7 @@ class SimEngine:
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            list(labels),
+            names,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=self.registry,
         ).labels(**labels)
@@ -300,13 +475,65 @@ class SimEngine:
             del self.stats.routing_headers[:500]
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+class _PrefixCacheCollector(Collector):
+    """vLLM's cumulative prefix-cache and token counters, read from the engine model at scrape time."""
+
+    def __init__(self, model: EngineModel, labels: dict[str, str]) -> None:
+        self.model = model
+        self.labels = labels
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        names, values = list(self.labels), list(self.labels.values())
+        for name, doc, value in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in tokens.",
+                self.model.prefix_cache_queries,
+            ),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", self.model.prefix_cache_hits),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", self.model.prompt_tokens_total),
+            (
+                "vllm:generation_tokens",
+                "Number of generation tokens processed.",
+                self.model.generation_tokens_total,
+            ),
+            ("vllm:num_preemptions", "Cumulative number of preemptions.", self.model.preemptions_total),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            yield family
+        free = GaugeMetricFamily(
+            "llm_extproc_sim_free_blocks", "Free KV blocks (simulator only).", labels=names
+        )
+        free.add_metric(values, self.model.free_blocks)
+        yield free
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def _sse(doc: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def _prompt_tokens(doc: dict[str, Any], chat: bool) -> list[int]:
+    if chat:
+        messages = doc.get("messages")
+        return chat_to_tokens(messages) if isinstance(messages, list) else []
+    prompt = doc.get("prompt")
+    if isinstance(prompt, str):
+        return tokenize(prompt)
+    if isinstance(prompt, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and all(isinstance(x, str) for x in prompt):
+        return tokenize("\n".join(prompt))
+    return []
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -316,10 +543,20 @@ def _error(status: int, message: str) -> web.Response:
 
 
 async def run_engines(
-    host: str, first_port: int, delays_s: list[float], model: str, max_batch: int = 0
+    host: str,
+    first_port: int,
+    delays_s: list[float],
+    model: str,
+    max_batch: int = 0,
+    profiles: list[GpuProfile] | None = None,
+    time_scale: float = 1.0,
 ) -> None:
-    """`llm-extproc sim`: one engine per delay, on consecutive ports, until interrupted."""
-    engines = [SimEngine(f"sim-{i}", model, d, max_batch=max_batch) for i, d in enumerate(delays_s)]
+    """`llm-extproc sim`: one engine per delay (or per profile), on consecutive ports, until interrupted."""
+    kinds: list[GpuProfile | None] = list(profiles) if profiles else [None] * len(delays_s)
+    engines = [
+        SimEngine(f"sim-{i}", model, delays_s[i], max_batch=max_batch, profile=p, time_scale=time_scale)
+        for i, p in enumerate(kinds)
+    ]
     for i, engine in enumerate(engines):
         port = await engine.start(host, first_port + i if first_port else 0)
         print(f"sim engine {engine.name} serving '{model}' on http://{host}:{port}", flush=True)
