@@ -27,6 +27,7 @@ from extproc.scheduling.plugins import (
     SessionAffinityScorer,
     WeightedRandomPicker,
 )
+from extproc.scheduling.prefix import PrefixAffinityScorer
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "envoy"
 MIB = 1024 * 1024
@@ -59,6 +60,7 @@ class TestConfigFromDict:
         assert cfg.pool.mode is RoutingMode.CLUSTER
         assert cfg.profile.name == "default"
         assert [type(s) for s, _ in cfg.profile.scorers] == [
+            PrefixAffinityScorer,
             QueueDepthScorer,
             KvCacheUsageScorer,
             LeastOutstandingScorer,
@@ -336,6 +338,7 @@ class TestLoadConfig:
         assert cfg.grpc_max_message_bytes >= cfg.max_body_bytes + MIB
         assert cfg.profile.name == "default"
         assert [(type(s), w) for s, w in cfg.profile.scorers] == [
+            (PrefixAffinityScorer, 3.0),
             (QueueDepthScorer, 1.0),
             (KvCacheUsageScorer, 0.5),
             (LeastOutstandingScorer, 0.5),

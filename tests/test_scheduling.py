@@ -31,6 +31,7 @@ from extproc.scheduling.plugins import (
     SessionAffinityScorer,
     WeightedRandomPicker,
 )
+from extproc.scheduling.prefix import PrefixAffinityScorer
 
 
 def ups(n: int, weight: float = 1.0, prefix: str = "u") -> list[Upstream]:
@@ -557,6 +558,7 @@ class TestProfileFromConfig:
     def test_default_profile(self) -> None:
         profile = profile_from_config("default", DEFAULT_PROFILE)
         assert [(type(s), w) for s, w in profile.scorers] == [
+            (PrefixAffinityScorer, 3.0),
             (QueueDepthScorer, 1.0),
             (KvCacheUsageScorer, 0.5),
             (LeastOutstandingScorer, 0.5),
@@ -628,6 +630,7 @@ class TestRegistry:
         assert registered("scorer") == [
             "kv-cache-usage",
             "least-outstanding",
+            "prefix-affinity",
             "queue-depth",
             "session-affinity",
         ]

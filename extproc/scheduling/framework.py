@@ -104,12 +104,22 @@ class Profile:
         if not candidates:
             return None
         if len(candidates) == 1:
+            self._picked(request, candidates[0], state)
             return candidates[0]
         totals = [0.0] * len(candidates)
         for scorer, weight in self.scorers:
             for i, s in enumerate(scorer.score(request, candidates, state)):
                 totals[i] += weight * s
-        return self.picker.pick(request, candidates, totals)
+        chosen = self.picker.pick(request, candidates, totals)
+        self._picked(request, chosen, state)
+        return chosen
+
+    def _picked(self, request: InferenceRequest, chosen: Upstream, state: FleetState) -> None:
+        """Scorers that learn from decisions (e.g. prefix affinity) hear which upstream was chosen."""
+        for scorer, _ in self.scorers:
+            on_pick = getattr(scorer, "on_pick", None)
+            if on_pick is not None:
+                on_pick(request, chosen, state)
 
 
 def profile_from_config(name: str, raw: dict[str, Any]) -> Profile:
