@@ -1,4 +1,4 @@
-"""Command line: `llm-extproc serve | check-config | publish | sim | demo | bench[-overhead|-fleet]`."""
+"""Command line: `llm-extproc serve | check-config | publish | sim | simulate | demo | bench...`."""
 
 from __future__ import annotations
 
@@ -87,10 +87,48 @@ def _demo(args: argparse.Namespace) -> int:
     return _run(run_demo(requests=args.requests, rate=args.rate, out_dir=Path(args.out)))
 
 
+def _params(items: list[str] | None) -> dict[str, object]:
+    """--param key=value pairs for a workload; numbers become numbers."""
+    out: dict[str, object] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--param must be KEY=VALUE, got {item!r}")
+        value: object = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        out[key.replace("-", "_")] = value
+    return out
+
+
 def _bench(args: argparse.Namespace) -> int:
     from extproc.bench.report import Slo
-    from extproc.bench.scenarios import Target, run_bench
+    from extproc.bench.scenarios import Target, run_bench, run_live_bench
 
+    slo = Slo(args.slo_ttft, args.slo_tpot)
+    if args.local:
+        reports = _run(
+            run_live_bench(
+                workload=args.workload,
+                policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+                profiles=[p.strip() for p in args.profiles.split(",") if p.strip()],
+                rate=args.rate,
+                count=args.count,
+                seed=args.seed,
+                slo=slo,
+                warmup=args.warmup,
+                time_scale=args.time_scale,
+                params=_params(args.param),
+                out_dir=Path(args.out),
+            )
+        )
+        return 0 if all(r.errors == 0 for r in reports) else 1
+    if not args.target:
+        raise ValueError("give --target NAME=URL (repeatable) or --local")
     targets = []
     for spec in args.target:
         name, sep, url = spec.partition("=")
@@ -105,12 +143,32 @@ def _bench(args: argparse.Namespace) -> int:
             count=args.count,
             seed=args.seed,
             model=args.model,
-            slo=Slo(args.slo_ttft, args.slo_tpot),
+            slo=slo,
             warmup=args.warmup,
             out_dir=Path(args.out),
+            params=_params(args.param),
         )
     )
     return 0 if all(r.errors == 0 for r in reports) else 1
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from extproc.bench.report import Slo
+    from extproc.sim.des import run_simulations
+
+    return run_simulations(
+        workload=args.workload,
+        policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+        profiles=[p.strip() for p in args.profiles.split(",") if p.strip()],
+        engines=args.engines,
+        rate=args.rate,
+        count=args.count,
+        seed=args.seed,
+        slo=Slo(args.slo_ttft, args.slo_tpot),
+        publish_interval_s=args.publish_interval,
+        params=_params(args.param),
+        out_dir=Path(args.out),
+    )
 
 
 def _fleet_bench(args: argparse.Namespace) -> int:
@@ -174,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batch", type=int, default=8, help="concurrent generations per engine (0: unlimited)"
     )
+    p.add_argument(
+        "--profile",
+        help="engine model profile(s), comma list (h100-llama3-8b, a10g-llama3-8b, test): batching, KV cache "
+        "with prefix reuse and preemption instead of a fixed cost per token",
+    )
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="virtual seconds per real second (model only)"
+    )
     p.set_defaults(func=_sim)
 
     p = sub.add_parser("demo", help="Envoy + llm-extproc + simulated engines, side by side with round robin")
@@ -186,7 +252,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workload", default="shared-prefix", help="shared-prefix | multi-turn | long-context | bursty"
     )
-    p.add_argument("--target", action="append", required=True, help="NAME=BASE_URL, repeatable")
+    p.add_argument("--target", action="append", help="NAME=BASE_URL, repeatable (or --local)")
+    p.add_argument(
+        "--local", action="store_true", help="start simulated engines and each policy's router here"
+    )
+    p.add_argument(
+        "--policies",
+        default=",".join(("llm-extproc", "envoy-round-robin", "envoy-least-request", "sglang-cache-aware")),
+        help="with --local",
+    )
+    p.add_argument(
+        "--profiles",
+        default="a10g-llama3-8b,a10g-llama3-8b,a10g-llama3-8b,a10g-llama3-8b",
+        help="with --local: one simulated engine per GPU profile",
+    )
+    p.add_argument("--time-scale", type=float, default=1.0, help="with --local: engine speed-up")
+    p.add_argument("--param", action="append", help="workload parameter KEY=VALUE, e.g. tenants=96")
     p.add_argument("--rate", type=float, default=5.0, help="mean arrival rate, requests/s (open loop)")
     p.add_argument("--count", type=int, default=200, help="timed requests (after the warm-up)")
     p.add_argument("--warmup", type=int, default=10)
@@ -196,6 +277,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO: time per output token, s")
     p.add_argument("--out", default="out/bench")
     p.set_defaults(func=_bench)
+
+    p = sub.add_parser(
+        "simulate", help="discrete-event mode: policies over many simulated engines, no sockets"
+    )
+    p.add_argument("--workload", default="shared-prefix")
+    p.add_argument(
+        "--policies", default="llm-extproc,round-robin,least-request,exact-ttft,clairvoyant-affinity"
+    )
+    p.add_argument("--profiles", default="a10g-llama3-8b", help="GPU profile(s), cycled over the engines")
+    p.add_argument("--engines", type=int, default=16)
+    p.add_argument("--rate", type=float, default=20.0)
+    p.add_argument("--count", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--param", action="append", help="workload parameter KEY=VALUE")
+    p.add_argument("--publish-interval", type=float, default=1.0, help="seconds between fleet snapshots")
+    p.add_argument("--slo-ttft", type=float, default=1.0)
+    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--out", default="out/simulate")
+    p.set_defaults(func=_simulate)
 
     p = sub.add_parser("bench-overhead", help="latency/throughput through Envoy with vs without llm-extproc")
     p.add_argument("--requests", type=int, default=400)

@@ -116,8 +116,8 @@ async def run_demo(
     clusters = {"gpu-a": [group.ports[0]], "gpu-b": [group.ports[1]], "gpu-c": [group.ports[2]]}
     redis, notice = local_redis(out_dir / "redis.log")
     print(f"redis: {notice} at {redis.url}")
-    gateway = _three_cluster_gateway(out_dir / "with-fleet", clusters, redis.url)
-    static = _three_cluster_gateway(out_dir / "own-counts", clusters, None)
+    gateway = _n_cluster_gateway(out_dir / "with-fleet", clusters, redis.url)
+    static = _n_cluster_gateway(out_dir / "own-counts", clusters, None)
     baselines = Baselines(out_dir, group.ports, ["ROUND_ROBIN", "LEAST_REQUEST"])
     publisher = Publisher(
         PublisherConfig(
@@ -177,9 +177,7 @@ async def run_demo(
     return 0 if all(s.errors == 0 for s in summaries) else 1
 
 
-def _three_cluster_gateway(
-    out_dir: Path, clusters: dict[str, list[int]], redis_url: str | None
-) -> LocalGateway:
+def _n_cluster_gateway(out_dir: Path, clusters: dict[str, list[int]], redis_url: str | None) -> LocalGateway:
     """envoy.yaml ships two GPU clusters; the demo adds a third by copying gpu-b's definition."""
 
     def add_cluster(cfg: dict[str, Any]) -> None:
@@ -207,9 +205,20 @@ def _three_cluster_gateway(
             }
             cl.append(extra)
 
+    def edit(cfg: dict[str, Any]) -> None:
+        add_cluster(cfg)
+        cl = cfg["static_resources"]["clusters"]
+        cfg["static_resources"]["clusters"] = [
+            c for c in cl if c["name"] in clusters or c["name"] == "llm-extproc"
+        ]
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+            if "weighted_clusters" in route["route"]:  # the fail-open fallback route
+                route["route"]["weighted_clusters"]["clusters"] = [{"name": c, "weight": 1} for c in clusters]
+
     shipped = {k: v for k, v in clusters.items() if k in ("gpu-a", "gpu-b")}
     gw = LocalGateway(
-        out_dir, clusters=shipped, service=_service_config(clusters, redis_url), envoy_edit=add_cluster
+        out_dir, clusters=shipped, service=_service_config(clusters, redis_url), envoy_edit=edit
     )
     return gw
 
@@ -319,3 +328,153 @@ async def run_bench(
         print(f"(no plots: {exc})")
     print(f"results: {out_dir / f'{workload}.json'}")
     return reports
+
+
+LIVE_POLICIES = ("llm-extproc", "envoy-round-robin", "envoy-least-request", "sglang-cache-aware")
+
+
+def _sglang_router() -> list[str] | None:
+    """The command that runs sglang-router (an optional peer), if it is installed in this Python or in
+    the interpreter named by $LLM_EXTPROC_SGLANG_PYTHON."""
+    import importlib.util
+    import os
+    import sys
+
+    python = os.environ.get("LLM_EXTPROC_SGLANG_PYTHON")
+    if python:
+        return [python, "-m", "sglang_router.launch_router"]
+    if importlib.util.find_spec("sglang_router") is not None:
+        return [sys.executable, "-m", "sglang_router.launch_router"]
+    return None
+
+
+async def run_live_bench(
+    *,
+    workload: str,
+    policies: list[str],
+    profiles: list[str],
+    rate: float,
+    count: int,
+    seed: int = 0,
+    slo: Slo | None = None,
+    warmup: int = 10,
+    time_scale: float = 1.0,
+    params: dict[str, Any] | None = None,
+    out_dir: Path = Path("out/bench"),
+) -> list[Report]:
+    """Each policy on a fresh fleet of model-driven simulated engines (cold KV caches), same requests."""
+    import subprocess
+
+    from extproc.gateway import wait_port
+    from extproc.sim.profiles import PROFILES
+
+    find_envoy()
+    unknown = [p for p in policies if p not in LIVE_POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(LIVE_POLICIES)}")
+    gpu = [PROFILES[p] for p in profiles]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wl = make_workload(workload, rate=rate, count=count + warmup, seed=seed, model=MODEL, **(params or {}))
+    requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
+    reports: list[Report] = []
+    by_policy: dict[str, list[RequestRecord]] = {}
+    for policy in policies:
+        group = EngineGroup([], MODEL, profiles=gpu, time_scale=time_scale)
+        names = [e.name for e in group.engines]
+        stops: list[Any] = []
+        try:
+            url = await _start_target(policy, group, out_dir / policy, stops, subprocess, wait_port)
+            if url is None:
+                print(f"  {policy}: skipped (sglang-router not installed; pip install sglang-router)")
+                continue
+            records, wall = await open_loop(
+                url + "/v1/chat/completions", requests, progress=f"{policy} ({workload})"
+            )
+        finally:
+            for stop in reversed(stops):
+                res = stop()
+                if asyncio.iscoroutine(res):
+                    await res
+            group.close()
+        timed = [r for r in records[warmup:]]
+        reports.append(summarize(policy, timed, wall, slo, instances=names))
+        by_policy[policy] = timed
+    print(format_table(reports))
+    meta = {
+        "workload": wl.name,
+        "params": wl.params,
+        "profiles": profiles,
+        "time_scale": time_scale,
+        "warmup": warmup,
+        "note": "each policy ran on a fresh fleet (cold caches); warm-up requests excluded from the report",
+    }
+    path = write_json(out_dir / f"live-{workload}.json", reports, meta)
+    try:
+        plot(out_dir / f"live-{workload}", by_policy, slo=slo)
+    except ImportError as exc:
+        print(f"(no plots: {exc})")
+    print(f"results: {path}")
+    return reports
+
+
+async def _start_target(
+    policy: str, group: EngineGroup, workdir: Path, stops: list[Any], subprocess: Any, wait_port: Any
+) -> str | None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    ports = group.ports
+    if policy == "llm-extproc":
+        redis, _ = local_redis(workdir / "redis.log")
+        stops.append(redis.stop)
+        clusters = {f"gpu-{i}": [p] for i, p in enumerate(ports)}
+        gw = _n_cluster_gateway(workdir, clusters, redis.url)
+        publisher = Publisher(
+            PublisherConfig(
+                redis=RedisSettings(url=redis.url, pool="demo"),
+                instances=[InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
+                interval_s=0.5,
+            )
+        )
+        stop_pub = asyncio.Event()
+        task = asyncio.create_task(publisher.run(stop_pub))
+
+        async def stop_publisher() -> None:
+            stop_pub.set()
+            await task
+
+        stops.append(stop_publisher)
+        gw.start()
+        stops.append(gw.stop)
+        await asyncio.sleep(1.5)  # first snapshots in
+        return gw.url
+    if policy.startswith("envoy-"):
+        lb = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST"}[policy]
+        base = Baselines(workdir, ports, [lb])
+        stops.append(base.stop)
+        return base.start()[0].url
+    command = _sglang_router()
+    if command is None:
+        return None
+    port, metrics_port = free_port(), free_port()
+    log = (workdir / "sglang-router.log").open("ab")
+    proc = subprocess.Popen(
+        [
+            *command,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(metrics_port),
+            "--policy",
+            "cache_aware",
+            "--worker-urls",
+            *[f"http://127.0.0.1:{p}" for p in ports],
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    stops.append(lambda: (proc.terminate(), proc.wait(10)))
+    wait_port("127.0.0.1", port, 30)
+    await asyncio.sleep(3.0)  # workers registered and health-checked
+    return f"http://127.0.0.1:{port}"

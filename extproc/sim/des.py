@@ -316,3 +316,60 @@ def _failed(req: Pending, status: int, error: str) -> RequestRecord:
     return RequestRecord(
         tag=req.tag, served_by=None, status=status, error=error, arrival_s=req.arrival, ttft_s=None, e2e_s=0.0
     )
+
+
+def run_simulations(
+    *,
+    workload: str,
+    policies: Sequence[str],
+    profiles: Sequence[str],
+    engines: int,
+    rate: float,
+    count: int,
+    seed: int = 0,
+    slo: Any = None,
+    publish_interval_s: float = 1.0,
+    params: dict[str, Any] | None = None,
+    out_dir: Any = None,
+) -> int:
+    """`llm-extproc simulate`: every policy over the same workload on fresh engines; table + JSON + PNGs."""
+    from pathlib import Path
+
+    from extproc.bench.report import format_table, plot, summarize, write_json
+    from extproc.bench.workloads import make_workload
+    from extproc.sim.profiles import PROFILES
+
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown:
+        raise ValueError(f"unknown profiles {unknown}; known: {sorted(PROFILES)}")
+    fleet = [PROFILES[profiles[i % len(profiles)]] for i in range(engines)]
+    wl = make_workload(workload, rate=rate, count=count, seed=seed, **(params or {}))
+    requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
+    reports, by_policy = [], {}
+    for policy in policies:
+        run = simulate(requests, fleet, policy, publish_interval_s=publish_interval_s)
+        reports.append(
+            summarize(
+                policy, run.records, run.virtual_s, slo, instances=[f"engine-{i}" for i in range(engines)]
+            )
+        )
+        by_policy[policy] = run.records
+        print(f"  {policy}: {len(requests)} requests, {run.virtual_s:.0f} s simulated in {run.wall_s:.1f} s")
+    print(format_table(reports))
+    out = Path(out_dir or "out/simulate")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "workload": wl.name,
+        "params": wl.params,
+        "engines": engines,
+        "profiles": list(profiles),
+        "publish_interval_s": publish_interval_s,
+        "mode": "discrete-event (virtual time)",
+    }
+    path = write_json(out / f"{workload}.json", reports, meta)
+    try:
+        plot(out / workload, by_policy, slo=slo)
+    except ImportError as exc:
+        print(f"(no plots: {exc})")
+    print(f"results: {path}")
+    return 0
