@@ -84,7 +84,9 @@ def _sim(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from extproc.bench.scenarios import run_demo
 
-    return _run(run_demo(requests=args.requests, rate=args.rate, out_dir=Path(args.out)))
+    return _run(
+        run_demo(requests=args.requests, rate=args.rate, tenants=args.tenants, out_dir=Path(args.out))
+    )
 
 
 def _params(items: list[str] | None) -> dict[str, object]:
@@ -243,8 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_sim)
 
     p = sub.add_parser("demo", help="Envoy + llm-extproc + simulated engines, side by side with round robin")
-    p.add_argument("--requests", type=int, default=240)
-    p.add_argument("--rate", type=float, default=14.0, help="open-loop arrival rate, requests/s")
+    p.add_argument("--requests", type=int, default=150)
+    p.add_argument("--rate", type=float, default=3.5, help="open-loop arrival rate, requests/s")
+    p.add_argument("--tenants", type=int, default=64, help="tenants with their own 2000-token system prompt")
     p.add_argument("--out", default="out/demo")
     p.set_defaults(func=_demo)
 

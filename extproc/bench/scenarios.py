@@ -10,7 +10,6 @@ import asyncio
 import json
 import random
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,83 +101,55 @@ def demo_requests(n: int, rate: float, seed: int = 1) -> list[tuple[float, dict[
 
 
 async def run_demo(
-    *, requests: int = 240, rate: float = 14.0, out_dir: Path = Path("out/demo"), slow_factor: float = 4.0
+    *,
+    requests: int = 150,
+    rate: float = 3.5,
+    tenants: int = 64,
+    out_dir: Path = Path("out/demo"),
 ) -> int:
-    """Three engines, one `slow_factor` times slower (an older GPU): llm-extproc with live fleet state
-    (Redis + publisher), llm-extproc on its own counts only, and Envoy's own load balancers."""
+    """The README's main job: three simulated A10G engines (engine model: batching, KV cache with prefix
+    reuse) serving a multi-tenant workload whose system prompts exceed the fleet's KV cache, routed by
+    llm-extproc (Envoy + service + Redis + publisher) and by Envoy alone, side by side."""
     find_envoy()  # fail early with the install hint
-    out_dir.mkdir(parents=True, exist_ok=True)
-    delays = [0.005 * slow_factor, 0.005, 0.005]
-    token_ms = ", ".join(f"{d * 1000:.0f} ms" for d in delays)
-    print(f"starting {len(delays)} simulated engines (token time {token_ms};")
-    print("  engine-0 is the slow GPU; each runs at most 4 generations at once and queues the rest)")
-    group = EngineGroup(delays, MODEL, max_batch=4)
-    clusters = {"gpu-a": [group.ports[0]], "gpu-b": [group.ports[1]], "gpu-c": [group.ports[2]]}
-    redis, notice = local_redis(out_dir / "redis.log")
-    print(f"redis: {notice} at {redis.url}")
-    gateway = _n_cluster_gateway(out_dir / "with-fleet", clusters, redis.url)
-    static = _n_cluster_gateway(out_dir / "own-counts", clusters, None)
-    baselines = Baselines(out_dir, group.ports, ["ROUND_ROBIN", "LEAST_REQUEST"])
-    publisher = Publisher(
-        PublisherConfig(
-            redis=RedisSettings(url=redis.url, pool="demo"),
-            instances=[InstanceSpec(c, f"127.0.0.1:{ports[0]}", "sim") for c, ports in clusters.items()],
-            interval_s=0.5,
-        )
+    policies = ["llm-extproc", "envoy-round-robin", "envoy-least-request"]
+    if _sglang_router() is not None:
+        policies.append("sglang-cache-aware")
+    profiles = ["a10g-llama3-8b"] * 3
+    print(
+        f"demo: {len(profiles)} simulated A10G engines (Llama-3-8B profile, docs/simulator.md), workload "
+        f"shared-prefix: {tenants} tenants x 2000-token system prompts ({tenants * 2000:,} tokens of "
+        f"prefixes vs {len(profiles) * 34_160:,} tokens of KV cache in the fleet), {requests} streaming "
+        f"requests at {rate:g} req/s, open loop. Policies: {', '.join(policies)}. Each gets a fresh fleet."
     )
-    stop_publishing = asyncio.Event()
-    publishing = asyncio.create_task(publisher.run(stop_publishing))
-    summaries: list[Report] = []
-    try:
+    reports = await run_live_bench(
+        workload="shared-prefix",
+        policies=policies,
+        profiles=profiles,
+        rate=rate,
+        count=requests,
+        params={"tenants": tenants},
+        out_dir=out_dir,
+    )
+    by_name = {r.name: r for r in reports}
+    ours, rr = by_name.get("llm-extproc"), by_name.get("envoy-round-robin")
+    if ours and rr and ours.ttft_p90_ms and rr.ttft_p90_ms:
         print(
-            "starting llm-extproc (with and without fleet state) and Envoy (with ext_proc, and two baselines)"
+            f"\nllm-extproc vs Envoy round robin: TTFT p90 {ours.ttft_p90_ms:.0f} ms "
+            f"vs {rr.ttft_p90_ms:.0f} ms, "
+            f"goodput {ours.goodput_rps:.2f} vs {rr.goodput_rps:.2f} req/s, prefix-cache hit rate "
+            f"{_pct(ours.prefix_cache_hit_rate)} vs {_pct(rr.prefix_cache_hit_rate)}"
         )
-        gateway.start()
-        static.start()
-        targets = [
-            Target("llm-extproc", gateway.url),
-            Target("llm-extproc own counts", static.url),
-            *baselines.start(),
-        ]
-        workload = demo_requests(requests, rate)
-        for t in targets:
-            print(f"  {t.name}: {requests} streaming requests, open loop at {rate:.0f} req/s ...", flush=True)
-            await open_loop(t.url + "/v1/chat/completions", workload[:10])  # warm-up
-            records, wall = await open_loop(t.url + "/v1/chat/completions", workload)
-            summaries.append(summarize(t.name, records, wall, instances=[e.name for e in group.engines]))
-            await asyncio.sleep(1.0)  # let queues drain between policies
-    finally:
-        stop_publishing.set()
-        await publishing
-        baselines.stop()
-        gateway.stop()
-        static.stop()
-        group.close()
-        redis.stop()
-    print()
-    print(format_table(summaries))
-    report = {
-        "scenario": "demo: heterogeneous fleet, open-loop streaming chat",
-        "engines": {
-            e.name: {"token_ms": d * 1000, "max_batch": 4} for e, d in zip(group.engines, delays, strict=True)
-        },
-        "requests": requests,
-        "rate_rps": rate,
-        "results": [s.as_dict() for s in summaries],
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    path = out_dir / "results.json"
-    path.write_text(json.dumps(report, indent=2))
-    print(f"\nresults: {path}   logs: {out_dir}/*.log")
-    ours = summaries[0]
-    rr = next(x for x in summaries if x.name == "envoy round_robin")
-    if ours.ttft_p90_ms and rr.ttft_p90_ms:
-        print(f"TTFT p90, llm-extproc vs round robin: {ours.ttft_p90_ms / rr.ttft_p90_ms:.2f}x")
-    return 0 if all(s.errors == 0 for s in summaries) else 1
+    print(f"plots: {out_dir}/live-shared-prefix-ttft-cdf.png, {out_dir}/live-shared-prefix-in-flight.png")
+    return 0 if all(r.errors == 0 for r in reports) else 1
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.0f}%"
 
 
 def _n_cluster_gateway(out_dir: Path, clusters: dict[str, list[int]], redis_url: str | None) -> LocalGateway:
-    """envoy.yaml ships two GPU clusters; the demo adds a third by copying gpu-b's definition."""
+    """envoy.yaml ships two GPU clusters (gpu-a, gpu-b); more are added by copying gpu-b's definition
+    and shipped ones not in `clusters` are dropped (so is the fallback route's list, accordingly)."""
 
     def add_cluster(cfg: dict[str, Any]) -> None:
         cl = cfg["static_resources"]["clusters"]

@@ -30,8 +30,18 @@ class EngineGroup:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
         self._thread.start()
+        kinds = list(profiles) if profiles is not None else [None] * len(delays_s)
+        delays = list(delays_s) or [0.005]
         self.engines = [
-            SimEngine(f"engine-{i}", model, d, max_batch=max_batch) for i, d in enumerate(delays_s)
+            SimEngine(
+                f"engine-{i}",
+                model,
+                delays[i % len(delays)],
+                max_batch=max_batch,
+                profile=p,
+                time_scale=time_scale,
+            )
+            for i, p in enumerate(kinds)
         ]
         self.ports = [self._call(e.start("127.0.0.1", 0)) for e in self.engines]
 
