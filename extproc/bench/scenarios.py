@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,25 +78,6 @@ class Baselines:
     def stop(self) -> None:
         for _, proc in self.procs:
             proc.stop()
-
-
-def demo_requests(n: int, rate: float, seed: int = 1) -> list[tuple[float, dict[str, Any], str]]:
-    """Streaming chats with varied prompt and output lengths (16..64 output tokens), Poisson arrivals."""
-    rng = random.Random(seed)
-    out = []
-    t = 0.0
-    for i in range(n):
-        words = rng.randint(20, 400)
-        body = {
-            "model": MODEL,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": rng.randint(16, 64),
-            "messages": [{"role": "user", "content": f"request {i}: " + "lorem ipsum " * words}],
-        }
-        out.append((t, body, "demo"))
-        t += rng.expovariate(rate)
-    return out
 
 
 async def run_demo(

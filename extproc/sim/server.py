@@ -162,67 +162,25 @@ class SimEngine:
         if doc.get("stream"):
             return await self._stream(request, doc, chat, n_tokens, prompt_tokens)
         await asyncio.sleep(self.token_delay_s * n_tokens)
-        text = " ".join(f"tok{i}" for i in range(n_tokens))
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
         self.stats.completed += 1
-        return web.json_response(
-            {
-                "id": f"sim-{uuid.uuid4().hex[:12]}",
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": doc.get("model", self.model),
-                "system_fingerprint": self.name,
-                "choices": [choice],
-                "usage": _usage(prompt_tokens, n_tokens),
-            },
-            headers={"x-sim-engine": self.name},
-            dumps=lambda o: orjson.dumps(o).decode(),
+        text = " ".join(f"tok{i}" for i in range(n_tokens))
+        rid = f"sim-{uuid.uuid4().hex[:12]}"
+        return self._json_completion(
+            rid, doc.get("model", self.model), chat, text, _usage(prompt_tokens, n_tokens)
         )
 
     async def _stream(
         self, request: web.Request, doc: dict[str, Any], chat: bool, n_tokens: int, prompt_tokens: int
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={
-                "content-type": "text/event-stream",
-                "cache-control": "no-cache",
-                "x-sim-engine": self.name,
-            }
-        )
-        await resp.prepare(request)
+        resp = await self._sse_start(request)
         rid = f"sim-{uuid.uuid4().hex[:12]}"
         model = doc.get("model", self.model)
-        obj = "chat.completion.chunk" if chat else "text_completion"
         for i in range(n_tokens):
             await asyncio.sleep(self.token_delay_s)
-            piece = f"tok{i} "
-            delta: dict[str, Any] = (
-                {"index": 0, "delta": {"content": piece} | ({"role": "assistant"} if i == 0 else {})}
-                if chat
-                else {"index": 0, "text": piece}
-            )
-            delta["finish_reason"] = "length" if i == n_tokens - 1 else None
-            chunk = {
-                "id": rid,
-                "object": obj,
-                "model": model,
-                "system_fingerprint": self.name,
-                "choices": [delta],
-            }
-            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            finish = "length" if i == n_tokens - 1 else None
+            await resp.write(_sse(_chunk(rid, model, chat, f"tok{i} ", i, finish, self.name)))
         if (doc.get("stream_options") or {}).get("include_usage"):
-            tail = {
-                "id": rid,
-                "object": obj,
-                "model": model,
-                "choices": [],
-                "usage": _usage(prompt_tokens, n_tokens),
-            }
-            await resp.write(b"data: " + orjson.dumps(tail) + b"\n\n")
+            await resp.write(_sse(_usage_chunk(rid, model, chat, _usage(prompt_tokens, n_tokens))))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self.stats.completed += 1
@@ -262,7 +220,6 @@ class SimEngine:
             return _error(400, f"prompt of {len(tokens)} tokens exceeds the model's context")
         rid = f"sim-{uuid.uuid4().hex[:12]}"
         model = doc.get("model", self.model)
-        obj = "chat.completion.chunk" if chat else "text_completion"
         stream = bool(doc.get("stream"))
         resp: web.StreamResponse | None = None
         pieces: list[str] = []
@@ -278,16 +235,7 @@ class SimEngine:
                         continue
                     if resp is None:
                         resp = await self._sse_start(request)
-                    delta: dict[str, Any] = (
-                        {
-                            "index": 0,
-                            "delta": {"content": piece} | ({"role": "assistant"} if ev.index == 0 else {}),
-                        }
-                        if chat
-                        else {"index": 0, "text": piece}
-                    )
-                    delta["finish_reason"] = None
-                    await resp.write(_sse({"id": rid, "object": obj, "model": model, "choices": [delta]}))
+                    await resp.write(_sse(_chunk(rid, model, chat, piece, ev.index, None, self.name)))
                 elif isinstance(ev, FinishedEvent):
                     usage = _usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
                     self.stats.completed += 1
@@ -295,12 +243,11 @@ class SimEngine:
                         return self._json_completion(rid, model, chat, "".join(pieces), usage)
                     if resp is None:
                         resp = await self._sse_start(request)
-                    end = {"index": 0, "finish_reason": "length", **({"delta": {}} if chat else {"text": ""})}
-                    await resp.write(_sse({"id": rid, "object": obj, "model": model, "choices": [end]}))
+                    await resp.write(
+                        _sse(_chunk(rid, model, chat, "", ev.completion_tokens, "length", self.name))
+                    )
                     if (doc.get("stream_options") or {}).get("include_usage"):
-                        await resp.write(
-                            _sse({"id": rid, "object": obj, "model": model, "choices": [], "usage": usage})
-                        )
+                        await resp.write(_sse(_usage_chunk(rid, model, chat, usage)))
                     await resp.write(b"data: [DONE]\n\n")
                     await resp.write_eof()
                     return resp
@@ -516,6 +463,25 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def _chunk(
+    rid: str, model: str, chat: bool, piece: str, index: int, finish: str | None, engine: str
+) -> dict[str, Any]:
+    """One streamed completion chunk; the first chat chunk also carries the assistant role."""
+    choice: dict[str, Any] = (
+        {"index": 0, "delta": {"content": piece} | ({"role": "assistant"} if index == 0 else {})}
+        if chat
+        else {"index": 0, "text": piece}
+    )
+    choice["finish_reason"] = finish
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": obj, "model": model, "system_fingerprint": engine, "choices": [choice]}
+
+
+def _usage_chunk(rid: str, model: str, chat: bool, usage: dict[str, Any]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": obj, "model": model, "choices": [], "usage": usage}
 
 
 def _sse(doc: dict[str, Any]) -> bytes:
