@@ -65,3 +65,21 @@ def test_simulate_cli(tmp_path: Path) -> None:
     assert names == ["llm-extproc", "round-robin", "least-request", "exact-ttft", "clairvoyant-affinity"]
     assert all(r["ok"] == 40 for r in doc["reports"])
     assert "clairvoyant-affinity" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--target", "no-url-here"],
+        ["bench", "--target", "a=ftp://x"],
+        ["bench"],
+        ["bench", "--local", "--param", "tenants"],
+        ["simulate", "--profiles", "no-such-gpu", "--count", "5"],
+        ["simulate", "--policies", "telepathy", "--count", "5", "--engines", "1"],
+    ],
+)
+def test_bad_arguments_are_clear_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from extproc.cli import main
+
+    assert main(argv) == 2
+    assert "llm-extproc: error:" in capsys.readouterr().err
