@@ -35,7 +35,7 @@ from extproc.fleet import snapshot_pb2 as spb
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai import RequestError
 from extproc.openai.parse import parse_head
-from extproc.sim.model import EngineModel
+from extproc.sim.model import EngineModel, StepResult
 from extproc.sim.profiles import GpuProfile
 from extproc.sim.tokens import chat_to_tokens
 from extproc.telemetry import Metrics
@@ -52,7 +52,7 @@ class Pending:
     max_tokens: int
     engine: int = -1
     ttft: float | None = None
-    lease: Decision | None = None
+    decision: Decision | None = None  # the llm-extproc policy's, holding its in-flight lease
 
 
 class Policy(Protocol):
@@ -190,13 +190,12 @@ class ExtprocPolicy:
         self.view.rebuild()
 
     def choose(self, req: Pending, body: dict[str, Any], now: float) -> int:
-        decision = self.lifecycle.route(self.head, orjson.dumps(body))
-        req.lease = decision
-        return int(decision.upstream.cluster.removeprefix("engine-"))
+        req.decision = self.lifecycle.route(self.head, orjson.dumps(body))
+        return int(req.decision.upstream.cluster.removeprefix("engine-"))
 
     def finished(self, req: Pending) -> None:
-        if req.lease is not None:
-            req.lease.lease.release()
+        if req.decision is not None:
+            req.decision.lease.release()
 
 
 @dataclass(slots=True)
@@ -251,6 +250,8 @@ def simulate(
     records: list[RequestRecord] = []
     remaining = len(requests)
 
+    step_results: dict[int, StepResult] = {}  # the step each busy engine is running
+
     def start_step(i: int, t: float) -> None:
         result = fleet.engines[i].step(t)
         if result is None:
@@ -260,7 +261,6 @@ def simulate(
         heapq.heappush(events, (t + result.duration, next(seq), 1, i))
         step_results[i] = result
 
-    step_results: dict[int, Any] = {}
     while events and remaining > 0:
         now, _, kind, payload = heapq.heappop(events)
         if kind == 0 and extproc is not None:
