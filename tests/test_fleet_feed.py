@@ -209,10 +209,8 @@ async def test_redis_outage_and_recovery(redis_server: RedisProcess, harness: Ha
     assert await until(lambda: harness.view.load("gpu-a") is not None)
     redis_server.stop()
     assert await until(lambda: harness.sample("llm_extproc_redis_connected") == 0)
-    # Requests keep being decided from memory while Redis is away...
-    started = time.perf_counter()
+    # Requests keep being decided from memory while Redis is away (latency: see bench-fleet)...
     assert harness.route_cluster() == "gpu-a"
-    assert time.perf_counter() - started < 0.5  # never waits on Redis (generous bound, not a benchmark)
     # ...and fall back once the last snapshot is stale.
     assert await until(lambda: harness.view.candidates("m") is None, timeout=5)
     harness.route_cluster()
