@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from builders import NOW, chat_request, instance_state
 
 from extproc.fleet import (
     ClusterSpec,
@@ -18,8 +19,6 @@ from extproc.fleet import (
     SchedulingState,
     Upstream,
 )
-from extproc.fleet import snapshot_pb2 as spb
-from extproc.openai import Api, InferenceRequest
 from extproc.scheduling import Profile, build
 from extproc.scheduling.plugins import (
     KvCacheUsageScorer,
@@ -29,20 +28,7 @@ from extproc.scheduling.plugins import (
     WeightedRoundRobinPicker,
 )
 
-NOW = 1_700_000_000.0
-
-REQ = InferenceRequest(
-    api=Api.CHAT,
-    model="m",
-    stream=False,
-    max_tokens=None,
-    prompt_text="hello",
-    prompt_token_ids=None,
-    session=None,
-    user=None,
-    priority=0,
-    body_bytes=0,
-)
+REQ = chat_request()
 
 
 def up(uid: str, weight: float = 1.0) -> Upstream:
@@ -255,32 +241,7 @@ def test_profile_picks_least_loaded_fake_state() -> None:
 
 
 def _inst(cluster: str, **kw: Any) -> InstanceState:
-    fields: dict[str, Any] = {
-        "upstream_id": f"{cluster}/0",
-        "cluster": cluster,
-        "address": None,
-        "engine": "vllm",
-        "models": frozenset({"m"}),
-        "lora_adapters": frozenset(),
-        "readiness": spb.READY,
-        "weight": 1.0,
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_cache_usage": 0.0,
-        "kv_blocks_total": 0,
-        "kv_blocks_free": 0,
-        "block_size": 0,
-        "max_model_len": 0,
-        "prefix_cache_hit_rate": None,
-        "ttft_s": None,
-        "tpot_s": None,
-        "publisher_id": "p",
-        "sequence": 1,
-        "published_at": NOW,
-        "expires_at": NOW + 3.0,
-    }
-    fields.update(kw)
-    return InstanceState(**fields)
+    return instance_state(f"{cluster}/0", cluster, None, **kw)
 
 
 def test_profile_picks_least_loaded_real_view() -> None:

@@ -6,12 +6,11 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from builders import NOW, instance_state
 
 from extproc.fleet import ClusterSpec, InFlight, InstanceState, Pool, RoutingMode, Upstream
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.view import FORGET_AFTER_S, FleetView, Load, SchedulingState
-
-NOW = 1_700_000_000.0
 
 
 class Clock:
@@ -24,31 +23,13 @@ class Clock:
 
 def inst(uid: str = "c1/10.0.0.1:8000", **kw: Any) -> InstanceState:
     fields: dict[str, Any] = {
-        "upstream_id": uid,
         "cluster": "c1",
         "address": "10.0.0.1:8000",
-        "engine": "vllm",
         "models": frozenset({"m1"}),
-        "lora_adapters": frozenset(),
-        "readiness": spb.READY,
-        "weight": 1.0,
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_cache_usage": 0.0,
-        "kv_blocks_total": 0,
-        "kv_blocks_free": 0,
-        "block_size": 0,
-        "max_model_len": 0,
-        "prefix_cache_hit_rate": None,
-        "ttft_s": None,
-        "tpot_s": None,
         "publisher_id": "pub-1",
-        "sequence": 1,
-        "published_at": NOW,
-        "expires_at": NOW + 3.0,
+        **kw,
     }
-    fields.update(kw)
-    return InstanceState(**fields)
+    return instance_state(uid, **fields)
 
 
 def cluster_pool() -> Pool:

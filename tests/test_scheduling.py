@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from builders import chat_request
 
 from extproc.fleet import InFlight, Lease, SchedulingState, Upstream
-from extproc.openai import Api, InferenceRequest
+from extproc.openai import InferenceRequest
 from extproc.openai.parse import bodyless_request, parse_head
 from extproc.scheduling import (
     DEFAULT_PROFILE,
@@ -69,18 +70,7 @@ def req(session: str | None = None, user: str | None = None) -> InferenceRequest
 
 
 def direct_req(session: str | None = None, user: str | None = None) -> InferenceRequest:
-    return InferenceRequest(
-        api=Api.CHAT,
-        model="m",
-        stream=False,
-        max_tokens=None,
-        prompt_text="hello",
-        prompt_token_ids=None,
-        session=session,
-        user=user,
-        priority=0,
-        body_bytes=10,
-    )
+    return chat_request(session=session, user=user, body_bytes=10)
 
 
 def affinity_target(key: str, candidates: Sequence[Upstream]) -> Upstream:

@@ -1,0 +1,58 @@
+"""Shared builders for unit tests: routing records with sensible defaults, overridden per test."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from extproc.fleet import InstanceState
+from extproc.fleet import snapshot_pb2 as spb
+from extproc.openai import Api, InferenceRequest
+
+NOW = 1_700_000_000.0
+
+
+def chat_request(
+    *, session: str | None = None, user: str | None = None, prompt_text: str = "hello", body_bytes: int = 0
+) -> InferenceRequest:
+    return InferenceRequest(
+        api=Api.CHAT,
+        model="m",
+        stream=False,
+        max_tokens=None,
+        prompt_text=prompt_text,
+        prompt_token_ids=None,
+        session=session,
+        user=user,
+        priority=0,
+        body_bytes=body_bytes,
+    )
+
+
+def instance_state(upstream_id: str, cluster: str, address: str | None, **overrides: Any) -> InstanceState:
+    """A fresh READY instance published at NOW with a 3 s TTL and no load."""
+    fields: dict[str, Any] = {
+        "upstream_id": upstream_id,
+        "cluster": cluster,
+        "address": address,
+        "engine": "vllm",
+        "models": frozenset({"m"}),
+        "lora_adapters": frozenset(),
+        "readiness": spb.READY,
+        "weight": 1.0,
+        "num_running": 0,
+        "num_waiting": 0,
+        "kv_cache_usage": 0.0,
+        "kv_blocks_total": 0,
+        "kv_blocks_free": 0,
+        "block_size": 0,
+        "max_model_len": 0,
+        "prefix_cache_hit_rate": None,
+        "ttft_s": None,
+        "tpot_s": None,
+        "publisher_id": "p",
+        "sequence": 1,
+        "published_at": NOW,
+        "expires_at": NOW + 3.0,
+    }
+    fields.update(overrides)
+    return InstanceState(**fields)
