@@ -133,17 +133,23 @@ def _rendezvous(key: str, upstream_id: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-@register("picker", "max-score")
 @dataclass(slots=True)
-class MaxScorePicker:
-    """Highest total score; ties broken at random so replicas with equal views do not herd."""
+class _SeededPicker:
+    """Pickers that draw at random; `seed` makes a run repeatable."""
 
     seed: int | None = None
-    name: str = "max-score"
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
+
+
+@register("picker", "max-score")
+@dataclass(slots=True)
+class MaxScorePicker(_SeededPicker):
+    """Highest total score; ties broken at random so replicas with equal views do not herd."""
+
+    name: str = "max-score"
 
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
@@ -155,15 +161,10 @@ class MaxScorePicker:
 
 @register("picker", "weighted-random")
 @dataclass(slots=True)
-class WeightedRandomPicker:
+class WeightedRandomPicker(_SeededPicker):
     """Random choice with probability proportional to score (uniform when all scores are zero)."""
 
-    seed: int | None = None
     name: str = "weighted-random"
-    _rng: random.Random = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._rng = random.Random(self.seed)
 
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
