@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from extproc import __version__
 
@@ -36,6 +38,28 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+# What `init` writes: an Envoy config and the service YAML that agree with it (cluster names, ports,
+# header names), plus the endpoint-picker pair. The user edits addresses and model names.
+INIT_FILES = ("envoy.yaml", "llm-extproc.yaml", "endpoint-picker.yaml", "llm-extproc-endpoint.yaml")
+
+
+def _init(args: argparse.Namespace) -> int:
+    from extproc.settings import shipped_configs
+
+    target = Path(args.dir)
+    source = shipped_configs()
+    clashes = [name for name in INIT_FILES if (target / name).exists()]
+    if clashes and not args.force:
+        raise ValueError(f"{target}: would overwrite {clashes}; pass --force to replace them")
+    target.mkdir(parents=True, exist_ok=True)
+    for name in INIT_FILES:
+        (target / name).write_text((source / name).read_text())
+    print(f"wrote {', '.join(INIT_FILES)} to {target}/")
+    print(f"next: llm-extproc check-config --config {target / 'llm-extproc.yaml'}")
+    print(f"      envoy --mode validate -c {target / 'envoy.yaml'}")
+    return 0
+
+
 def _publish(args: argparse.Namespace) -> int:
     from extproc.publishers.publisher import Publisher, load_publisher_config
 
@@ -62,8 +86,8 @@ def _publish(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from extproc.sim.profiles import PROFILES
-    from extproc.sim.server import run_engines
+    from extproc.lab.engines.profiles import PROFILES
+    from extproc.lab.engines.server import run_engines
 
     profiles = None
     if args.profile:
@@ -82,7 +106,7 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from extproc.bench.scenarios import run_demo
+    from extproc.lab.bench.scenarios import run_demo
 
     return _run(
         run_demo(requests=args.requests, rate=args.rate, tenants=args.tenants, out_dir=Path(args.out))
@@ -108,8 +132,8 @@ def _params(items: list[str] | None) -> dict[str, object]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from extproc.bench.report import Slo
-    from extproc.bench.scenarios import Target, run_bench, run_live_bench
+    from extproc.lab.bench.report import Slo
+    from extproc.lab.bench.scenarios import Target, run_bench, run_live_bench
 
     slo = Slo(args.slo_ttft, args.slo_tpot)
     if args.local:
@@ -155,8 +179,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from extproc.bench.report import Slo
-    from extproc.sim.des import run_simulations
+    from extproc.lab.bench.report import Slo
+    from extproc.lab.discrete_event.simulation import run_simulations
 
     return run_simulations(
         workload=args.workload,
@@ -174,26 +198,28 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _fleet_bench(args: argparse.Namespace) -> int:
-    from extproc.bench.fleet import run_fleet_bench
+    from extproc.lab.bench.fleet_state import run_fleet_bench
 
     return _run(run_fleet_bench(Path(args.out)))
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from extproc.bench.scenarios import run_overhead
+    from extproc.lab.bench.scenarios import run_overhead
 
     conc = tuple(int(c) for c in args.concurrency.split(","))
     modes = tuple(m.strip().upper() for m in args.modes.split(",") if m.strip())
     return _run(run_overhead(requests=args.requests, concurrency=conc, modes=modes, out_dir=Path(args.out)))
 
 
-def _run(coro: object) -> int:
+T = TypeVar("T")
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
-
-        return uvloop.run(coro)  # type: ignore[arg-type]
     except ImportError:
-        return asyncio.run(coro)  # type: ignore[arg-type]
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="load and validate a config file, then exit")
     p.add_argument("--config", help="YAML config (default: $LLM_EXTPROC_CONFIG)")
     p.set_defaults(func=_check)
+
+    p = sub.add_parser(
+        "init", help="write an Envoy config and a service YAML that agree, to edit for your own servers"
+    )
+    p.add_argument("dir", help="folder to write into (created if missing)")
+    p.add_argument("--force", action="store_true", help="replace files that already exist")
+    p.set_defaults(func=_init)
 
     p = sub.add_parser("publish", help="scrape engine /metrics and publish fleet snapshots to Redis")
     p.add_argument("--config", help="publisher YAML (instances, redis, interval_s, ...)")

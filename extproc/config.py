@@ -1,6 +1,7 @@
-"""Service configuration: one YAML file, a few CLI/env overrides.
+"""Service configuration: one YAML file (plus a few CLI overrides) turned into the running objects.
 
-Per-route tuning belongs in envoy.yaml; this file supplies the defaults and the pool.
+Per-route tuning belongs in envoy.yaml; this file supplies the defaults and the pool. The defaults
+themselves and the value checks live in `extproc.settings`.
 """
 
 from __future__ import annotations
@@ -13,25 +14,28 @@ from typing import Any
 import yaml
 
 from extproc.fleet import Pool, RoutingMode, pool_from_config
-from extproc.fleet.redis_feed import RedisSettings
-from extproc.scheduling import DEFAULT_PROFILE, Profile, profile_from_config
-
-ENV_CONFIG = "LLM_EXTPROC_CONFIG"
-# gRPC initial metadata key naming the scheduling profile for a route; set it in envoy.yaml with
-# ExtProcPerRoute.overrides.grpc_initial_metadata.
-PROFILE_METADATA_KEY = "x-llm-profile"
-ENV_REDIS_PASSWORD = "LLM_EXTPROC_REDIS_PASSWORD"
-# Above the 32 MiB Envoy buffer limit in envoy/envoy.yaml; raise both together.
-DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(slots=True)
-class HeaderNames:
-    destination_cluster: str = "x-llm-destination-cluster"
-    destination_endpoint: str = "x-gateway-destination-endpoint"
-    session: str = "x-session-id"
-    user: str = "x-user-id"
-    priority: str = "x-llm-priority"
+from extproc.scheduling import Profile, profile_from_config
+from extproc.settings import (
+    DEFAULT_ENDPOINT_METADATA_NAMESPACE,
+    DEFAULT_GRPC_MAX_MESSAGE_BYTES,
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_METRICS_LISTEN,
+    DEFAULT_PROFILE,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    ENV_CONFIG,
+    ENV_REDIS_PASSWORD,
+    ConfigError,
+    HeaderNames,
+    RedisSettings,
+    check_keys,
+    integer,
+    listen_address,
+    mapping,
+    number,
+    redis_settings,
+    string,
+)
 
 
 @dataclass(slots=True)
@@ -40,19 +44,19 @@ class ServiceConfig:
     profile: Profile
     """The default profile; routes may select another from `profiles` (see PROFILE_METADATA_KEY)."""
     profiles: dict[str, Profile] = field(default_factory=dict)
-    listen: str = "127.0.0.1:9002"
-    metrics_listen: str | None = "127.0.0.1:9090"
-    max_body_bytes: int = 16 * 1024 * 1024
+    listen: str = DEFAULT_LISTEN
+    metrics_listen: str | None = DEFAULT_METRICS_LISTEN
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     grpc_max_message_bytes: int = 0
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     headers: HeaderNames = field(default_factory=HeaderNames)
-    endpoint_metadata_namespace: str = "envoy.lb"
+    endpoint_metadata_namespace: str = DEFAULT_ENDPOINT_METADATA_NAMESPACE
     fleet: RedisSettings | None = None
     """Live fleet state from Redis; None keeps the static pool with the service's own counts."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
-            raise ValueError("max_body_bytes must be positive")
+            raise ConfigError("max_body_bytes must be positive")
         # Envoy sends a whole buffered body in one gRPC message, up to *its* buffer limit, which may
         # exceed max_body_bytes: a receive limit below that turns an oversized body into a gRPC
         # RESOURCE_EXHAUSTED (a 5xx at the client) instead of our JSON 413.
@@ -65,92 +69,91 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     """Read the YAML file (or $LLM_EXTPROC_CONFIG), then apply non-None keyword overrides."""
     chosen = path or os.environ.get(ENV_CONFIG)
     if not chosen:
-        raise ValueError(f"no configuration file: pass --config or set {ENV_CONFIG}")
+        raise ConfigError(f"no configuration file: pass --config or set {ENV_CONFIG}")
     text = Path(chosen).read_text()
-    raw = yaml.safe_load(text) or {}
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{chosen}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{chosen}: top level must be a mapping")
+        raise ConfigError(f"{chosen}: top level must be a mapping")
     return config_from_dict(raw, **overrides)
 
 
-# Scalar settings and their accepted types (bool is rejected where a number is expected).
-_SCALARS: dict[str, tuple[type, ...]] = {
-    "listen": (str,),
-    "metrics_listen": (str, type(None)),
-    "max_body_bytes": (int,),
-    "grpc_max_message_bytes": (int,),
-    "shutdown_grace_s": (int, float),
-    "endpoint_metadata_namespace": (str,),
-}
+_SECTIONS = ("routing", "pool", "scheduling", "headers", "fleet")
+
+
+def _scalars(raw: dict[str, Any]) -> dict[str, Any]:
+    """The plain settings, each checked for type and range."""
+    out: dict[str, Any] = {}
+    if "listen" in raw:
+        out["listen"] = listen_address(raw["listen"], "config: 'listen'")
+    if "metrics_listen" in raw:
+        value = raw["metrics_listen"]
+        out["metrics_listen"] = None if value is None else listen_address(value, "config: 'metrics_listen'")
+    if "max_body_bytes" in raw:
+        out["max_body_bytes"] = integer(raw["max_body_bytes"], "config: 'max_body_bytes'", minimum=1)
+    if "grpc_max_message_bytes" in raw:
+        out["grpc_max_message_bytes"] = integer(
+            raw["grpc_max_message_bytes"], "config: 'grpc_max_message_bytes'", minimum=0
+        )
+    if "shutdown_grace_s" in raw:
+        out["shutdown_grace_s"] = number(raw["shutdown_grace_s"], "config: 'shutdown_grace_s'", minimum=0)
+    if "endpoint_metadata_namespace" in raw:
+        out["endpoint_metadata_namespace"] = string(
+            raw["endpoint_metadata_namespace"], "config: 'endpoint_metadata_namespace'"
+        )
+    return out
+
+
+_SCALAR_KEYS = (
+    "listen",
+    "metrics_listen",
+    "max_body_bytes",
+    "grpc_max_message_bytes",
+    "shutdown_grace_s",
+    "endpoint_metadata_namespace",
+)
 
 
 def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
-    """Build and validate a config; every malformed input raises ValueError naming the key."""
+    """Build and validate a config; every malformed input raises ConfigError naming the key."""
     raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
-    unknown = set(raw) - set(_SCALARS) - {"routing", "pool", "scheduling", "headers", "fleet"}
-    if unknown:
-        raise ValueError(f"config: unknown keys {sorted(unknown)}")
-    for key, types in _SCALARS.items():
-        if key in raw and (isinstance(raw[key], bool) or not isinstance(raw[key], types)):
-            raise ValueError(f"config: '{key}' has the wrong type ({type(raw[key]).__name__})")
+    check_keys(raw, (*_SCALAR_KEYS, *_SECTIONS), "config")
+    scalars = _scalars(raw)
     try:
         mode = RoutingMode(raw.get("routing", RoutingMode.CLUSTER.value))
     except ValueError:
-        raise ValueError(f"config: 'routing' must be one of {[m.value for m in RoutingMode]}") from None
-    pool_raw = raw.get("pool")
-    if not isinstance(pool_raw, dict) or not isinstance(pool_raw.get("clusters"), list):
-        raise ValueError("config: 'pool.clusters' is required and must be a list")
+        raise ConfigError(f"config: 'routing' must be one of {[m.value for m in RoutingMode]}") from None
+    pool_raw = mapping(raw.get("pool"), "config: 'pool'")
+    check_keys(pool_raw, ("clusters",), "config: 'pool'")
+    if not isinstance(pool_raw.get("clusters"), list):
+        raise ConfigError("config: 'pool.clusters' is required and must be a list")
     pool = pool_from_config(pool_raw["clusters"], mode)
 
-    sched = raw.get("scheduling") or {}
-    if not isinstance(sched, dict):
-        raise ValueError("config: 'scheduling' must be a mapping")
+    sched = mapping(raw.get("scheduling"), "config: 'scheduling'")
+    check_keys(sched, ("profile", "profiles"), "config: 'scheduling'")
     profiles = sched.get("profiles") or {"default": DEFAULT_PROFILE}
     if not isinstance(profiles, dict):
-        raise ValueError("config: 'scheduling.profiles' must be a mapping of name -> profile")
+        raise ConfigError("config: 'scheduling.profiles' must be a mapping of name -> profile")
     chosen = sched.get("profile", "default")
     if chosen not in profiles:
-        raise ValueError(f"config: scheduling profile '{chosen}' is not defined")
+        raise ConfigError(f"config: scheduling profile '{chosen}' is not defined")
     built = {name: profile_from_config(name, spec) for name, spec in profiles.items()}
 
-    headers_raw = raw.get("headers") or {}
-    if not isinstance(headers_raw, dict):
-        raise ValueError("config: 'headers' must be a mapping")
-    allowed = set(HeaderNames.__dataclass_fields__)
-    for key, value in headers_raw.items():
-        if key not in allowed:
-            raise ValueError(f"config: unknown header setting '{key}' (known: {sorted(allowed)})")
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"config: header name for '{key}' must be a non-empty string")
-    headers = HeaderNames(**{k: v.lower() for k, v in headers_raw.items()})
+    headers_raw = mapping(raw.get("headers"), "config: 'headers'")
+    check_keys(headers_raw, HeaderNames.__dataclass_fields__, "config: 'headers'")
+    headers = HeaderNames(
+        **{k: string(v, f"config: header name for '{k}'").lower() for k, v in headers_raw.items()}
+    )
+    fleet = None
+    if raw.get("fleet") is not None:
+        fleet = redis_settings(raw["fleet"], "config: 'fleet'", password_env=ENV_REDIS_PASSWORD)
     return ServiceConfig(
-        fleet=_fleet(raw.get("fleet")),
+        fleet=fleet,
         pool=pool,
         profile=built[chosen],
         profiles=built,
         headers=headers,
-        **{k: raw[k] for k in _SCALARS if k in raw},
+        **scalars,
     )
-
-
-def _fleet(raw: Any) -> RedisSettings | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ValueError("config: 'fleet' must be a mapping")
-    allowed = set(RedisSettings.__dataclass_fields__)
-    unknown = set(raw) - allowed
-    if unknown:
-        raise ValueError(f"config: unknown fleet keys {sorted(unknown)} (known: {sorted(allowed)})")
-    for key, value in raw.items():
-        if key == "resync_interval_s":
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError("config: 'fleet.resync_interval_s' must be a positive number")
-        elif value is not None and not isinstance(value, str):
-            raise ValueError(f"config: 'fleet.{key}' must be a string")
-    settings = RedisSettings(**raw)
-    if not settings.url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError("config: 'fleet.url' must be a redis://, rediss:// or unix:// URL")
-    if settings.password is None:
-        settings.password = os.environ.get(ENV_REDIS_PASSWORD) or None
-    return settings

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.sim import EngineGroup
+from extproc.lab.engines import EngineGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 

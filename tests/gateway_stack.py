@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from extproc.gateway import ENVOY_DIR, LocalGateway
-from extproc.sim import EngineGroup
+from extproc.lab.stack import ENVOY_DIR, LocalGateway
+from extproc.lab.engines import EngineGroup
 
 MODEL = "sim-llama"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.bench.report import (
+from extproc.lab.bench.report import (
     Report,
     RequestRecord,
     Slo,

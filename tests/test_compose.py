@@ -9,7 +9,7 @@ import yaml
 
 from extproc.cli import build_parser
 from extproc.config import load_config
-from extproc.gateway import ENVOY_DIR, load_envoy_config
+from extproc.lab.stack import ENVOY_DIR, load_envoy_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"

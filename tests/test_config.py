@@ -8,14 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.config import (
-    DEFAULT_GRPC_MAX_MESSAGE_BYTES,
-    ENV_CONFIG,
-    HeaderNames,
-    ServiceConfig,
-    config_from_dict,
-    load_config,
-)
+from extproc.config import ServiceConfig, config_from_dict, load_config
 from extproc.fleet import ClusterSpec, InFlight, Lease, Pool, RoutingMode, Upstream, pool_from_config
 from extproc.fleet.pool import WILDCARD, parse_endpoint
 from extproc.scheduling.plugins import (
@@ -28,6 +21,7 @@ from extproc.scheduling.plugins import (
     WeightedRandomPicker,
 )
 from extproc.scheduling.prefix import PrefixAffinityScorer
+from extproc.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES, ENV_CONFIG, ConfigError, HeaderNames
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "envoy"
 MIB = 1024 * 1024
@@ -148,12 +142,21 @@ class TestConfigFromDict:
             config_from_dict(minimal(**{key: 1}))
         assert key in str(info.value)
 
-    @pytest.mark.parametrize(
-        "raw",
-        [{}, {"pool": None}, {"pool": {}}, {"pool": []}, {"pool": {"cluster": []}}, {"listen": "x"}],
-    )
+    @pytest.mark.parametrize("raw", [{}, {"pool": None}, {"pool": {}}])
     def test_missing_pool(self, raw: dict[str, Any]) -> None:
         with pytest.raises(ValueError, match=r"pool\.clusters"):
+            config_from_dict(raw)
+
+    @pytest.mark.parametrize(
+        ("raw", "match"),
+        [
+            ({"pool": []}, "'pool' must be a mapping"),
+            ({"pool": {"cluster": []}}, r"unknown keys \['cluster'\]"),
+            (minimal(listen="x"), "'listen' must be host:port"),
+        ],
+    )
+    def test_malformed_pool_or_listen_named(self, raw: dict[str, Any], match: str) -> None:
+        with pytest.raises(ConfigError, match=match):
             config_from_dict(raw)
 
     def test_empty_clusters(self) -> None:
@@ -263,7 +266,7 @@ class TestMessageSizes:
 
     @pytest.mark.parametrize("value", [0, -1, -16 * MIB])
     def test_non_positive_max_body_rejected(self, value: int) -> None:
-        with pytest.raises(ValueError, match="max_body_bytes must be positive"):
+        with pytest.raises(ValueError, match="max_body_bytes' must be a positive integer"):
             config_from_dict(minimal(max_body_bytes=value))
 
 
@@ -567,7 +570,7 @@ class TestInFlight:
     def test_on_change_hook(self) -> None:
         a, b = Upstream("a", "a", None, 1.0), Upstream("b", "b", None, 1.0)
         calls: list[tuple[str, int]] = []
-        state = InFlight(on_change=lambda u, delta: calls.append((u.id, delta)))
+        state = InFlight(on_change=lambda cluster, delta: calls.append((cluster, delta)))
         la = state.acquire(a)
         lb = state.acquire(b)
         assert calls == [("a", 1), ("b", 1)]
@@ -578,10 +581,8 @@ class TestInFlight:
         assert calls == [("a", 1), ("b", 1), ("a", -1), ("b", -1)]
         assert sum(d for _, d in calls) == state.total() == 0
 
-    def test_hook_sees_upstream_object(self) -> None:
-        seen: list[Upstream] = []
-        state = InFlight(on_change=lambda u, _d: seen.append(u))
-        u = Upstream("a", "clu", "1.2.3.4:5", 2.0)
-        state.acquire(u).release()
-        assert seen == [u, u]
-        assert seen[0] is u
+    def test_hook_is_told_the_cluster(self) -> None:
+        seen: list[str] = []
+        state = InFlight(on_change=lambda cluster, _d: seen.append(cluster))
+        state.acquire(Upstream("clu/1.2.3.4:5", "clu", "1.2.3.4:5", 2.0)).release()
+        assert seen == ["clu", "clu"]

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from gateway_stack import MODEL, Stack, wait_until
 
-from extproc.gateway import ENVOY_DIR
-from extproc.sim import EngineGroup
+from extproc.lab.stack import ENVOY_DIR
+from extproc.lab.engines import EngineGroup
 
 pytestmark = pytest.mark.envoy
 

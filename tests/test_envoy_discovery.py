@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.gateway import (
+from extproc.lab.stack import (
     ENVOY_DIR,
     EnvoyProcess,
     free_port,

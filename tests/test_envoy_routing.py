@@ -12,8 +12,8 @@ import orjson
 import pytest
 from gateway_stack import MODEL, Stack, wait_until
 
-from extproc.gateway import body_mode_edit
-from extproc.sim import EngineGroup
+from extproc.lab.stack import body_mode_edit
+from extproc.lab.engines import EngineGroup
 
 pytestmark = pytest.mark.envoy
 

@@ -14,8 +14,9 @@ import redis.asyncio as aioredis
 from extproc.config import config_from_dict
 from extproc.fleet import FleetView
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.fleet.redis_feed import RedisFeed, RedisSettings
-from extproc.gateway import RedisProcess
+from extproc.fleet.redis_feed import RedisFeed
+from extproc.settings import RedisSettings
+from extproc.lab.stack import RedisProcess
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
 from extproc.telemetry import Metrics

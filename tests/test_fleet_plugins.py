@@ -19,7 +19,7 @@ from extproc.fleet import (
     SchedulingState,
     Upstream,
 )
-from extproc.scheduling import Profile, build
+from extproc.scheduling import Profile, build_filter, build_picker
 from extproc.scheduling.plugins import (
     KvCacheUsageScorer,
     MaxScorePicker,
@@ -113,7 +113,7 @@ def test_saturation_all_saturated_sheds_when_configured() -> None:
 
 
 def test_saturation_built_from_registry() -> None:
-    f = build("filter", "saturation", {"kv_cache_max": 0.8, "queue_max": 10, "keep_all_if_empty": False})
+    f = build_filter("saturation", {"kv_cache_max": 0.8, "queue_max": 10, "keep_all_if_empty": False})
     state = FakeState({"a": ld(kv=0.85)})
     assert list(f.filter(REQ, [up("a")], state)) == []
 
@@ -211,7 +211,7 @@ def test_wrr_ignores_scores() -> None:
 
 
 def test_wrr_registered() -> None:
-    picker = build("picker", "weighted-round-robin")
+    picker = build_picker("weighted-round-robin")
     assert isinstance(picker, WeightedRoundRobinPicker)
     assert picker.pick(REQ, [up("only")], [0.0]).id == "only"
 

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from gateway_stack import MODEL, Stack, service_config, wait_until
 
-from extproc.fleet.redis_feed import RedisSettings
-from extproc.gateway import ENVOY_DIR, RedisProcess
+from extproc.settings import RedisSettings
+from extproc.lab.stack import ENVOY_DIR, RedisProcess
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
-from extproc.sim import EngineGroup
+from extproc.lab.engines import EngineGroup
 
 pytestmark = pytest.mark.envoy
 

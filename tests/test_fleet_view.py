@@ -10,7 +10,8 @@ from builders import NOW, instance_state
 
 from extproc.fleet import ClusterSpec, InFlight, InstanceState, Pool, RoutingMode, Upstream
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.fleet.view import FORGET_AFTER_S, FleetView, Load, SchedulingState
+from extproc.fleet.view import FleetView, Load, SchedulingState
+from extproc.settings import FORGET_AFTER_S
 
 
 class Clock:

@@ -9,7 +9,8 @@ from extproc.fleet import InFlight, SchedulingState, Upstream
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai import Api, InferenceRequest
 from extproc.openai.parse import parse_head
-from extproc.scheduling import DEFAULT_PROFILE, profile_from_config
+from extproc.scheduling import plugin_name, profile_from_config
+from extproc.settings import DEFAULT_PROFILE
 from extproc.scheduling.prefix import PrefixAffinityScorer, prefix_hashes
 from extproc.telemetry import Metrics
 
@@ -79,7 +80,7 @@ def test_tenants_stick_and_a_hot_prefix_spills() -> None:
     cfg = config_from_dict(
         {"pool": {"clusters": [{"name": f"c{i}", "models": ["m"]} for i in range(4)]}, "metrics_listen": None}
     )
-    assert cfg.profile.scorers[0][0].name == "prefix-affinity"
+    assert plugin_name(cfg.profile.scorers[0][0]) == "prefix-affinity"
     lc = RequestLifecycle(cfg, Metrics(["m"], [f"c{i}" for i in range(4)]))
     head = parse_head(
         {":method": "POST", ":path": "/v1/chat/completions"},

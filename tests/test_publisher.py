@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.fleet.redis_feed import RedisSettings
+from extproc.settings import RedisSettings
 from extproc.fleet.snapshots import decode
 from extproc.publishers.engines import EngineLoad
 from extproc.publishers.publisher import (
@@ -24,7 +24,7 @@ from extproc.publishers.publisher import (
     instance_from_dict,
     load_publisher_config,
 )
-from extproc.sim import SimEngine
+from extproc.lab.engines import SimEngine
 
 SPEC = InstanceSpec(cluster="gpu-a", address="10.0.0.5:8000", models=("llama",), capacity_weight=2.0)
 

@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 from extproc.fleet.pool import Upstream
 
-ChangeHook = Callable[[Upstream, int], None]
+# Told the cluster and +1/-1 on every change (the in-flight gauge per cluster).
+ChangeHook = Callable[[str, int], None]
 
 
 class Lease:
@@ -40,7 +41,7 @@ class InFlight:
     def acquire(self, upstream: Upstream) -> Lease:
         self._counts[upstream.id] = self._counts.get(upstream.id, 0) + 1
         if self._hook is not None:
-            self._hook(upstream, 1)
+            self._hook(upstream.cluster, 1)
         return Lease(self, upstream)
 
     def count(self, upstream_id: str) -> int:
@@ -56,4 +57,4 @@ class InFlight:
         else:
             self._counts.pop(upstream.id, None)
         if self._hook is not None:
-            self._hook(upstream, -1)
+            self._hook(upstream.cluster, -1)

@@ -11,6 +11,9 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
+
+from extproc.settings import ConfigError, check_keys
 
 WILDCARD = "*"
 
@@ -51,7 +54,7 @@ class Pool:
     def __post_init__(self) -> None:
         names = [c.name for c in self.clusters]
         if len(set(names)) != len(names):
-            raise ValueError("pool: cluster names must be unique")
+            raise ConfigError("pool: cluster names must be unique")
         by_model: dict[str, list[Upstream]] = {}
         wildcard: list[Upstream] = []
         everything: list[Upstream] = []
@@ -85,7 +88,7 @@ def _upstreams(spec: ClusterSpec, mode: RoutingMode) -> list[Upstream]:
     if mode is RoutingMode.CLUSTER:
         return [Upstream(id=spec.name, cluster=spec.name, address=None, weight=spec.weight)]
     if not spec.endpoints:
-        raise ValueError(f"pool: cluster '{spec.name}' needs 'endpoints' in endpoint routing mode")
+        raise ConfigError(f"pool: cluster '{spec.name}' needs 'endpoints' in endpoint routing mode")
     return [
         Upstream(id=f"{spec.name}/{addr}", cluster=spec.name, address=addr, weight=spec.weight)
         for addr in spec.endpoints
@@ -110,28 +113,29 @@ def parse_endpoint(addr: str) -> str:
     return addr
 
 
-def pool_from_config(raw: Iterable[dict], mode: RoutingMode) -> Pool:
+def pool_from_config(raw: Iterable[Any], mode: RoutingMode) -> Pool:
     specs: list[ClusterSpec] = []
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ValueError("pool: each cluster needs a string 'name'")
+            raise ConfigError("pool: each cluster needs a string 'name'")
+        where = f"pool: cluster '{item['name']}'"
+        check_keys(item, ("name", "models", "endpoints", "weight"), where)
         models = item.get("models")
         if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
-            raise ValueError(f"pool: cluster '{item['name']}' needs a non-empty list of 'models'")
+            raise ConfigError(f"{where} needs a non-empty list of 'models'")
         endpoints = item.get("endpoints", [])
         if not isinstance(endpoints, list) or not all(isinstance(e, str) for e in endpoints):
-            raise ValueError(f"pool: cluster '{item['name']}' 'endpoints' must be a list of ip:port")
+            raise ConfigError(f"{where} 'endpoints' must be a list of ip:port")
+        try:
+            addresses = tuple(parse_endpoint(e) for e in endpoints)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         weight = item.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
-            raise ValueError(f"pool: cluster '{item['name']}' 'weight' must be a positive number")
+            raise ConfigError(f"{where} 'weight' must be a positive number")
         specs.append(
-            ClusterSpec(
-                name=item["name"],
-                models=tuple(models),
-                endpoints=tuple(parse_endpoint(e) for e in endpoints),
-                weight=float(weight),
-            )
+            ClusterSpec(name=item["name"], models=tuple(models), endpoints=addresses, weight=float(weight))
         )
     if not specs:
-        raise ValueError("pool: at least one cluster is required")
+        raise ConfigError("pool: at least one cluster is required")
     return Pool(clusters=tuple(specs), mode=mode)

@@ -8,51 +8,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from extproc.fleet.snapshots import SnapshotRejected, decode
 from extproc.fleet.view import FleetView
+from extproc.settings import (
+    EXPIRY_TICK_S,
+    REBUILD_EVERY_S,
+    REDIS_CONNECT_TIMEOUT_S,
+    REDIS_SOCKET_TIMEOUT_S,
+    RedisSettings,
+)
 from extproc.telemetry import Metrics
 
 log = logging.getLogger("extproc.fleet")
 
-REBUILD_EVERY_S = 0.05  # coalesce bursts of snapshots into one rebuild
-EXPIRY_TICK_S = 0.25  # rebuild at least this often so expiry is noticed without new data
 
-
-@dataclass(slots=True)
-class RedisSettings:
-    url: str = "redis://127.0.0.1:6379/0"
-    username: str | None = None
-    password: str | None = None
-    tls_ca_file: str | None = None
-    pool: str = "default"
-    key_prefix: str | None = None
-    resync_interval_s: float = 5.0
-
-    @property
-    def prefix(self) -> str:
-        return self.key_prefix or f"llm-extproc:{self.pool}"
-
-    @property
-    def channel(self) -> str:
-        return f"{self.prefix}:events"
-
-    def key(self, upstream_id: str) -> str:
-        return f"{self.prefix}:snap:{upstream_id}"
-
-    def client(self) -> aioredis.Redis:
-        kwargs: dict[str, object] = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0}
-        if self.username:
-            kwargs["username"] = self.username
-        if self.password:
-            kwargs["password"] = self.password
-        if self.tls_ca_file:
-            kwargs["ssl_ca_certs"] = self.tls_ca_file
-        return aioredis.from_url(self.url, **kwargs)
+def redis_client(settings: RedisSettings) -> aioredis.Redis:
+    """A client for the fleet's Redis; the socket timeouts keep a hung Redis from pinning a task."""
+    kwargs: dict[str, object] = {
+        "socket_timeout": REDIS_SOCKET_TIMEOUT_S,
+        "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S,
+    }
+    if settings.username:
+        kwargs["username"] = settings.username
+    if settings.password:
+        kwargs["password"] = settings.password
+    if settings.tls_ca_file:
+        kwargs["ssl_ca_certs"] = settings.tls_ca_file
+    return aioredis.from_url(settings.url, **kwargs)
 
 
 class RedisFeed:
@@ -103,7 +89,7 @@ class RedisFeed:
     async def _load(self, client: aioredis.Redis, keys: list[bytes]) -> int:
         values = await client.mget(keys)
         for i, v in enumerate(values):
-            if v is not None:
+            if isinstance(v, bytes):
                 self.ingest(v)
             if i % 100 == 99:
                 await asyncio.sleep(0)  # let requests in: decoding 500 snapshots takes ~10 ms
@@ -113,7 +99,7 @@ class RedisFeed:
         backoff = 0.2
         first = True
         while True:
-            client = self.settings.client()
+            client = redis_client(self.settings)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.settings.channel)

@@ -15,6 +15,7 @@ from google.protobuf.message import DecodeError
 
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.pool import parse_endpoint
+from extproc.settings import MAX_TTL_MS, MIN_TTL_MS
 
 READY = spb.READY
 Readiness = spb.Readiness
@@ -24,8 +25,6 @@ MAX_ID_LEN = 256
 MAX_MODELS = 256
 MAX_QUEUE = 1_000_000
 MAX_WEIGHT = 1000.0
-MIN_TTL_MS = 100
-MAX_TTL_MS = 3_600_000
 MAX_FUTURE_SKEW_S = 30.0
 
 

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from extproc.fleet.accounting import InFlight
 from extproc.fleet.pool import Pool, RoutingMode, Upstream
 from extproc.fleet.snapshots import InstanceState
-
-# Expired instances are forgotten after this long (their metrics series too).
-FORGET_AFTER_S = 300.0
+from extproc.settings import FORGET_AFTER_S
 
 
 @dataclass(slots=True, frozen=True)

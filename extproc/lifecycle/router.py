@@ -1,4 +1,5 @@
-"""The request lifecycle: parse -> admit -> schedule -> record. The stream layer does the respond step.
+"""The request lifecycle: parse -> admit -> schedule -> record, then finish (or reject). The stream
+layer does the respond step and tells the lifecycle when the request ends.
 
 Everything here is synchronous and in-memory: no network I/O happens on the request path.
 """
@@ -24,7 +25,8 @@ from extproc.openai import (
 )
 from extproc.openai.errors import bad_request, body_too_large, no_upstream, unknown_model
 from extproc.openai.parse import check_content_type
-from extproc.scheduling import FALLBACK_PROFILE, Profile, profile_from_config
+from extproc.scheduling import Profile, profile_from_config
+from extproc.settings import FALLBACK_PROFILE
 from extproc.telemetry import Metrics
 
 log = logging.getLogger("extproc.lifecycle")
@@ -38,6 +40,7 @@ class Decision:
     request: InferenceRequest
     upstream: Upstream
     lease: Lease
+    profile: Profile
 
 
 class RequestLifecycle:
@@ -99,7 +102,7 @@ class RequestLifecycle:
             if not candidates:
                 raise no_upstream(request.model)
         # -- schedule ------------------------------------------------------------------------------
-        upstream = profile.schedule(request, candidates, self.state)
+        upstream = profile.schedule(request, candidates, self.state, self.metrics.observe_plugin)
         if upstream is None:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------
@@ -108,7 +111,28 @@ class RequestLifecycle:
             model=self.metrics.model_label(request.model), cluster=upstream.cluster, outcome="routed"
         ).inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        return Decision(request=request, upstream=upstream, lease=lease)
+        return Decision(request=request, upstream=upstream, lease=lease, profile=profile)
+
+    # -- finish ----------------------------------------------------------------------------------
+    def finish(self, decision: Decision, trigger: str) -> None:
+        """The routed request ended: `response_end` (its response finished) or `stream_end` (the
+        ext_proc stream closed first, e.g. the client went away). Idempotent: only the first counts."""
+        if not decision.lease.release():
+            return
+        self.metrics.releases.labels(trigger=trigger).inc()
+        decision.profile.finished(decision.request, decision.upstream)
+
+    def reject(self, error: RequestError, decision: Decision | None = None) -> None:
+        """The request is answered with `error` (before or after routing): release and count it."""
+        model = None
+        if decision is not None:
+            model = decision.request.model
+            if decision.lease.release():
+                decision.profile.finished(decision.request, decision.upstream)
+        self.metrics.errors.labels(status=str(error.status)).inc()
+        self.metrics.requests.labels(
+            model=self.metrics.model_label(model), cluster="", outcome="rejected"
+        ).inc()
 
     def _candidates(self, model: str | None) -> tuple[Upstream, ...] | None:
         """Who may serve `model`. Live snapshots decide when fresh ones exist for the model (an empty
@@ -125,12 +149,6 @@ class RequestLifecycle:
         if static is None:
             raise unknown_model(model)
         return None
-
-    def rejected(self, error: RequestError, model: str | None = None) -> None:
-        self.metrics.errors.labels(status=str(error.status)).inc()
-        self.metrics.requests.labels(
-            model=self.metrics.model_label(model), cluster="", outcome="rejected"
-        ).inc()
 
     def _parse(self, head: RequestHead, body: bytes | None) -> InferenceRequest:
         if body is None or (not body and head.api not in _MODEL_APIS):

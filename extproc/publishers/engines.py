@@ -188,7 +188,7 @@ ENGINE_METRICS: dict[str, EngineMetrics] = {
     "llamacpp": _LLAMACPP,
     "tgi": _TGI,
     "trtllm": _TRTLLM,
-    "sim": _VLLM,  # extproc.sim speaks exactly vLLM's names
+    "sim": _VLLM,  # extproc.lab.engines speaks exactly vLLM's names
 }
 
 # Generic rules, not per engine: fractions and sizes take the max over series, counts the sum.

@@ -22,9 +22,23 @@ import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.pool import parse_endpoint
-from extproc.fleet.redis_feed import RedisSettings
-from extproc.fleet.snapshots import MAX_TTL_MS, MIN_TTL_MS
+from extproc.fleet.redis_feed import redis_client
 from extproc.publishers.engines import ENGINE_METRICS, EngineLoad, normalize
+from extproc.settings import (
+    DEFAULT_DISCOVERY_INTERVAL_S,
+    DEFAULT_PUBLISH_INTERVAL_S,
+    DEFAULT_SCRAPE_TIMEOUT_S,
+    ENV_REDIS_PASSWORD,
+    MAX_TTL_MS,
+    MIN_TTL_MS,
+    ConfigError,
+    RedisSettings,
+    check_keys,
+    mapping,
+    number,
+    redis_settings,
+    string_list,
+)
 
 log = logging.getLogger("extproc.publisher")
 
@@ -55,10 +69,10 @@ class PublisherConfig:
     redis: RedisSettings
     instances: list[InstanceSpec] = field(default_factory=list)
     envoy_admin: str | None = None
-    interval_s: float = 1.0
+    interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
     ttl_s: float | None = None
-    discovery_interval_s: float = 10.0
-    scrape_timeout_s: float = 2.0
+    discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
+    scrape_timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S
     publisher_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property
@@ -80,27 +94,37 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
         or not isinstance(raw.get("cluster"), str)
         or not isinstance(raw.get("address"), str)
     ):
-        raise ValueError("publisher: each instance needs string 'cluster' and 'address' (ip:port)")
-    parse_endpoint(raw["address"])
+        raise ConfigError("publisher: each instance needs string 'cluster' and 'address' (ip:port)")
+    check_keys(raw, InstanceSpec.__dataclass_fields__, f"publisher: instance {raw['address']}")
+    try:
+        parse_endpoint(raw["address"])
+    except ValueError as exc:
+        raise ConfigError(f"publisher: {exc}") from None
     engine = raw.get("engine", "vllm")
     if engine not in ENGINE_METRICS:
-        raise ValueError(f"publisher: unknown engine '{engine}' (known: {sorted(ENGINE_METRICS)})")
-    models = raw.get("models", [])
-    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-        raise ValueError("publisher: 'models' must be a list of strings")
-    weight = raw.get("capacity_weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
-        raise ValueError("publisher: 'capacity_weight' must be a positive number")
+        raise ConfigError(f"publisher: unknown engine '{engine}' (known: {sorted(ENGINE_METRICS)})")
+    models = string_list(raw.get("models", []), "publisher: 'models'")
+    weight = number(raw.get("capacity_weight", 1.0), "publisher: 'capacity_weight'", positive=True)
     return InstanceSpec(
         cluster=raw["cluster"],
         address=raw["address"],
         engine=engine,
         models=tuple(models),
-        capacity_weight=float(weight),
+        capacity_weight=weight,
         draining=bool(raw.get("draining", False)),
         metrics_path=str(raw.get("metrics_path", "/metrics")),
         health_path=str(raw.get("health_path", "/health")),
     )
+
+
+# Bounds of the publisher's timing settings (readers reject snapshots whose TTL is out of range:
+# fail here, not silently there).
+_TIMINGS = (
+    ("interval_s", 0.01, 3600.0),
+    ("ttl_s", MIN_TTL_MS / 1000, MAX_TTL_MS / 1000),
+    ("discovery_interval_s", 0.1, 86400.0),
+    ("scrape_timeout_s", 0.01, 600.0),
+)
 
 
 def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig:
@@ -108,38 +132,21 @@ def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig
     if path:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: top level must be a mapping")
+            raise ConfigError(f"{path}: top level must be a mapping")
     raw.update({k: v for k, v in overrides.items() if v is not None})
-    redis_raw = raw.pop("redis", {}) or {}
-    if not isinstance(redis_raw, dict):
-        raise ValueError("publisher: 'redis' must be a mapping")
+    redis_raw = dict(mapping(raw.pop("redis", None), "publisher: 'redis'"))
     for key in ("url", "pool", "key_prefix", "username", "password"):
         if f"redis_{key}" in raw:
             redis_raw[key] = raw.pop(f"redis_{key}")
-    redis_raw.setdefault("password", os.environ.get("LLM_EXTPROC_REDIS_PASSWORD"))
+    redis = redis_settings(redis_raw, "publisher: 'redis'", password_env=ENV_REDIS_PASSWORD)
     instances = [instance_from_dict(i) for i in raw.pop("instances", []) or []]
-    known = set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"}
-    unknown = set(raw) - known
-    if unknown:
-        raise ValueError(f"publisher: unknown keys {sorted(unknown)}")
-    bad_redis = set(redis_raw) - set(RedisSettings.__dataclass_fields__)
-    if bad_redis:
-        raise ValueError(f"publisher: unknown redis keys {sorted(bad_redis)}")
-    for key, low, high in (
-        ("interval_s", 0.01, 3600.0),
-        ("ttl_s", MIN_TTL_MS / 1000, MAX_TTL_MS / 1000),
-        ("discovery_interval_s", 0.1, 86400.0),
-        ("scrape_timeout_s", 0.01, 600.0),
-    ):
-        value = raw.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-            # Readers reject snapshots whose TTL is out of range: fail here, not silently there.
-            raise ValueError(f"publisher: '{key}' must be a number from {low} to {high}")
-    cfg = PublisherConfig(redis=RedisSettings(**redis_raw), instances=instances, **raw)
+    check_keys(raw, set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"}, "publisher")
+    for key, low, high in _TIMINGS:
+        if raw.get(key) is not None:
+            raw[key] = number(raw[key], f"publisher: '{key}'", minimum=low, maximum=high)
+    cfg = PublisherConfig(redis=redis, instances=instances, **raw)
     if not cfg.instances and not cfg.envoy_admin:
-        raise ValueError("publisher: give 'instances' or 'envoy_admin' (Envoy admin URL for discovery)")
+        raise ConfigError("publisher: give 'instances' or 'envoy_admin' (Envoy admin URL for discovery)")
     return cfg
 
 
@@ -153,7 +160,7 @@ class Publisher:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
-        client = self.config.redis.client()
+        client = redis_client(self.config.redis)
         timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout_s)
         loop = asyncio.get_running_loop()
         next_discovery = 0.0

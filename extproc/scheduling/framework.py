@@ -1,17 +1,22 @@
 """The scheduling seam: filters narrow the candidates, weighted scorers rate them, a picker chooses.
 
-Every plugin is small, single-purpose and registered under a kebab-case name, so profiles are data
-(YAML), not code. Scores are in [0, 1]; a profile's total score is the weighted sum.
+Every plugin is small, single-purpose and registered once under a kebab-case name, so profiles are
+data (YAML), not code. Scores are in [0, 1] (checked: one per candidate, clamped); a profile's total
+score is the weighted sum. Plugins that learn from decisions implement `on_pick` / `on_finish`; the
+profile collects them when it is built, so the request path never probes for them.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from extproc.fleet import Load, Upstream
 from extproc.openai import InferenceRequest
+from extproc.settings import ConfigError, number
 
 
 class FleetState(Protocol):
@@ -31,61 +36,116 @@ class FleetState(Protocol):
 
 
 class Filter(Protocol):
-    name: str
-
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[Upstream]: ...
 
 
 class Scorer(Protocol):
-    name: str
-
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[float]: ...
 
 
 class Picker(Protocol):
-    name: str
-
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
     ) -> Upstream: ...
 
 
-PluginFactory = Callable[..., Any]
-_REGISTRY: dict[str, dict[str, PluginFactory]] = {"filter": {}, "scorer": {}, "picker": {}}
+@runtime_checkable
+class PickHook(Protocol):
+    """A plugin that learns from each decision (e.g. which upstream now caches a prompt's prefix)."""
+
+    def on_pick(self, request: InferenceRequest, upstream: Upstream, state: FleetState) -> None: ...
 
 
-def register(kind: str, name: str) -> Callable[[PluginFactory], PluginFactory]:
-    """Register a plugin factory under a kebab-case name; parameters come from the profile YAML."""
-    if kind not in _REGISTRY:
+@runtime_checkable
+class FinishHook(Protocol):
+    """A plugin that learns when a routed request ends (response done, or the stream closed)."""
+
+    def on_finish(self, request: InferenceRequest, upstream: Upstream) -> None: ...
+
+
+# Told (plugin kind, plugin name, seconds) after each plugin call: the per-plugin time histogram.
+PluginTimer = Callable[[str, str, float], None]
+
+P = TypeVar("P")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Registry(Generic[P]):
+    """Plugin factories of one kind by kebab-case name; parameters come from the profile YAML."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.factories: dict[str, Callable[..., P]] = {}
+        self.names_by_type: dict[type, str] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator; the factory (usually the plugin's class) is returned unchanged."""
+
+        def wrap(factory: F) -> F:
+            if name in self.factories:
+                raise ValueError(f"{self.kind} '{name}' registered twice")
+            self.factories[name] = factory
+            if isinstance(factory, type):
+                self.names_by_type[factory] = name
+            return factory
+
+        return wrap
+
+    def build(self, name: str, params: dict[str, Any] | None = None) -> P:
+        try:
+            factory = self.factories[name]
+        except KeyError:
+            known = ", ".join(sorted(self.factories)) or "none"
+            raise ConfigError(f"unknown {self.kind} '{name}' (known: {known})") from None
+        try:
+            return factory(**(params or {}))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.kind} '{name}': bad parameters: {exc}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self.factories)
+
+
+FILTERS: Registry[Filter] = Registry("filter")
+SCORERS: Registry[Scorer] = Registry("scorer")
+PICKERS: Registry[Picker] = Registry("picker")
+_REGISTRIES: dict[str, Registry[Any]] = {"filter": FILTERS, "scorer": SCORERS, "picker": PICKERS}
+
+
+def register(kind: str, name: str) -> Callable[[F], F]:
+    """Register a plugin factory of `kind` (filter, scorer, picker) under `name`."""
+    if kind not in _REGISTRIES:
         raise ValueError(f"unknown plugin kind '{kind}'")
-
-    def wrap(factory: PluginFactory) -> PluginFactory:
-        if name in _REGISTRY[kind]:
-            raise ValueError(f"{kind} '{name}' registered twice")
-        _REGISTRY[kind][name] = factory
-        return factory
-
-    return wrap
+    return _REGISTRIES[kind].register(name)
 
 
 def registered(kind: str) -> list[str]:
-    return sorted(_REGISTRY[kind])
+    return _REGISTRIES[kind].names()
 
 
-def build(kind: str, name: str, params: dict[str, Any] | None = None) -> Any:
-    try:
-        factory = _REGISTRY[kind][name]
-    except KeyError:
-        known = ", ".join(registered(kind)) or "none"
-        raise ValueError(f"unknown {kind} '{name}' (known: {known})") from None
-    try:
-        return factory(**(params or {}))
-    except TypeError as exc:
-        raise ValueError(f"{kind} '{name}': bad parameters: {exc}") from None
+def build_filter(name: str, params: dict[str, Any] | None = None) -> Filter:
+    return FILTERS.build(name, params)
+
+
+def build_scorer(name: str, params: dict[str, Any] | None = None) -> Scorer:
+    return SCORERS.build(name, params)
+
+
+def build_picker(name: str, params: dict[str, Any] | None = None) -> Picker:
+    return PICKERS.build(name, params)
+
+
+def plugin_name(plugin: object) -> str:
+    """The name a plugin was registered under (its class name when built outside the registry)."""
+    for registry in _REGISTRIES.values():
+        found = registry.names_by_type.get(type(plugin))
+        if found is not None:
+            return found
+    return type(plugin).__name__
 
 
 @dataclass(slots=True)
@@ -94,57 +154,115 @@ class Profile:
     filters: tuple[Filter, ...]
     scorers: tuple[tuple[Scorer, float], ...]
     picker: Picker
+    pick_hooks: tuple[PickHook, ...] = field(init=False, default=())
+    finish_hooks: tuple[FinishHook, ...] = field(init=False, default=())
+    _labels: tuple[tuple[str, ...], tuple[str, ...], str] = field(init=False, default=((), (), ""))
+
+    def __post_init__(self) -> None:
+        plugins = [*self.filters, *(s for s, _ in self.scorers), self.picker]
+        self.pick_hooks = tuple(p for p in plugins if isinstance(p, PickHook))
+        self.finish_hooks = tuple(p for p in plugins if isinstance(p, FinishHook))
+        self._labels = (
+            tuple(plugin_name(f) for f in self.filters),
+            tuple(plugin_name(s) for s, _ in self.scorers),
+            plugin_name(self.picker),
+        )
 
     def schedule(
-        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[Upstream],
+        state: FleetState,
+        timer: PluginTimer | None = None,
     ) -> Upstream | None:
         """Pick one upstream, or None when the filters leave nobody."""
-        for f in self.filters:
+        filter_names, scorer_names, picker_name = self._labels
+        clock = time.perf_counter
+        for f, fname in zip(self.filters, filter_names, strict=True):
+            t0 = clock()
             candidates = f.filter(request, candidates, state)
+            if timer is not None:
+                timer("filter", fname, clock() - t0)
         if not candidates:
             return None
         if len(candidates) == 1:
             self._picked(request, candidates[0], state)
             return candidates[0]
         totals = [0.0] * len(candidates)
-        for scorer, weight in self.scorers:
-            for i, s in enumerate(scorer.score(request, candidates, state)):
-                totals[i] += weight * s
+        for (scorer, weight), sname in zip(self.scorers, scorer_names, strict=True):
+            t0 = clock()
+            scores = scorer.score(request, candidates, state)
+            if timer is not None:
+                timer("scorer", sname, clock() - t0)
+            if len(scores) != len(candidates):
+                raise RuntimeError(
+                    f"scorer '{sname}' returned {len(scores)} scores for {len(candidates)} candidates"
+                )
+            for i, s in enumerate(scores):
+                totals[i] += weight * _clamp(s)
+        t0 = clock()
         chosen = self.picker.pick(request, candidates, totals)
+        if timer is not None:
+            timer("picker", picker_name, clock() - t0)
         self._picked(request, chosen, state)
         return chosen
 
     def _picked(self, request: InferenceRequest, chosen: Upstream, state: FleetState) -> None:
-        """Scorers that learn from decisions (e.g. prefix affinity) hear which upstream was chosen."""
-        for scorer, _ in self.scorers:
-            on_pick = getattr(scorer, "on_pick", None)
-            if on_pick is not None:
-                on_pick(request, chosen, state)
+        for hook in self.pick_hooks:
+            hook.on_pick(request, chosen, state)
+
+    def finished(self, request: InferenceRequest, upstream: Upstream) -> None:
+        for hook in self.finish_hooks:
+            hook.on_finish(request, upstream)
 
 
-def profile_from_config(name: str, raw: dict[str, Any]) -> Profile:
+def _clamp(score: float) -> float:
+    """A score outside [0, 1] (or NaN) must not outweigh the other scorers' weights."""
+    if score >= 1.0:
+        return 1.0
+    if score > 0.0:
+        return float(score)
+    return 0.0  # also NaN, which fails both comparisons
+
+
+def profile_from_config(name: str, raw: Any) -> Profile:
     """Build a profile from YAML: entries are a plugin name or {name, weight, params}."""
+    where = f"profile '{name}'"
     if not isinstance(raw, dict):
-        raise ValueError(f"profile '{name}' must be a mapping")
-    filters = tuple(build("filter", *_entry(e)) for e in raw.get("filters", []) or [])
+        raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
+    unknown = set(raw) - {"filters", "scorers", "picker"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: filters, scorers, picker)")
+    filters = tuple(build_filter(*_entry(e, where)) for e in _list(raw.get("filters"), f"{where}.filters"))
     scorers: list[tuple[Scorer, float]] = []
-    for e in raw.get("scorers", []) or []:
-        plugin_name, params = _entry(e)
+    for e in _list(raw.get("scorers"), f"{where}.scorers"):
+        plugin, params = _entry(e, where)
         weight = e.get("weight", 1.0) if isinstance(e, dict) else 1.0
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-            raise ValueError(f"profile '{name}': scorer '{plugin_name}' weight must be a number >= 0")
-        scorers.append((build("scorer", plugin_name, params), float(weight)))
-    picker_raw = raw.get("picker", "max-score")
-    picker = build("picker", *_entry(picker_raw))
+        weight = number(weight, f"{where}: scorer '{plugin}' weight", minimum=0.0)
+        if math.isinf(weight):
+            raise ConfigError(f"{where}: scorer '{plugin}' weight must be finite")
+        scorers.append((build_scorer(plugin, params), weight))
+    picker = build_picker(*_entry(raw.get("picker", "max-score"), where))
     return Profile(name=name, filters=filters, scorers=tuple(scorers), picker=picker)
 
 
-def _entry(e: Any) -> tuple[str, dict[str, Any]]:
+def _list(value: Any, where: str) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{where} must be a list")
+    return value
+
+
+def _entry(e: Any, where: str) -> tuple[str, dict[str, Any]]:
     if isinstance(e, str):
         return e, {}
     if isinstance(e, dict) and isinstance(e.get("name"), str):
+        unknown = set(e) - {"name", "weight", "params"}
+        if unknown:
+            raise ConfigError(f"{where}: plugin '{e['name']}': unknown keys {sorted(unknown)}")
         params = e.get("params") or {}
         if not isinstance(params, dict):
-            raise ValueError(f"plugin '{e['name']}': 'params' must be a mapping")
+            raise ConfigError(f"plugin '{e['name']}': 'params' must be a mapping")
         return e["name"], params
-    raise ValueError(f"plugin entry must be a name or a mapping with 'name', got {e!r}")
+    raise ConfigError(f"{where}: plugin entry must be a name or a mapping with 'name', got {e!r}")

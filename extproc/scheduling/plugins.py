@@ -9,16 +9,15 @@ from dataclasses import dataclass, field
 
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
-from extproc.scheduling.framework import FleetState, register
+from extproc.scheduling.framework import FILTERS, PICKERS, SCORERS, FleetState
 
 
-@register("filter", "max-inflight")
+@FILTERS.register("max-inflight")
 @dataclass(slots=True)
 class MaxInflightFilter:
     """Drops upstreams already holding `limit` requests per unit of capacity weight."""
 
     limit: int = 256
-    name: str = "max-inflight"
 
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -26,12 +25,11 @@ class MaxInflightFilter:
         return [u for u in candidates if state.count(u.id) < self.limit * u.weight]
 
 
-@register("scorer", "least-outstanding")
+@SCORERS.register("least-outstanding")
 @dataclass(slots=True)
 class LeastOutstandingScorer:
     """1.0 for the upstream with the fewest outstanding requests per unit of weight, 0.0 for the most."""
 
-    name: str = "least-outstanding"
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -39,7 +37,7 @@ class LeastOutstandingScorer:
         return _inverse_minmax([state.count(u.id) / u.weight for u in candidates])
 
 
-@register("filter", "saturation")
+@FILTERS.register("saturation")
 @dataclass(slots=True)
 class SaturationFilter:
     """Drops upstreams whose engines report a nearly full KV cache or a long queue (defaults as in the
@@ -49,7 +47,6 @@ class SaturationFilter:
     kv_cache_max: float = 0.9
     queue_max: int = 100
     keep_all_if_empty: bool = True
-    name: str = "saturation"
 
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -66,14 +63,13 @@ class SaturationFilter:
         return kept
 
 
-@register("scorer", "queue-depth")
+@SCORERS.register("queue-depth")
 @dataclass(slots=True)
 class QueueDepthScorer:
     """Fewest queued requests per unit of capacity: the engine's reported waiting queue plus the growth
     of this process's in-flight count there since that report (own in-flight when there is no
     snapshot). Min-max scaled."""
 
-    name: str = "queue-depth"
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -86,12 +82,11 @@ class QueueDepthScorer:
         return _inverse_minmax(depths)
 
 
-@register("scorer", "kv-cache-usage")
+@SCORERS.register("kv-cache-usage")
 @dataclass(slots=True)
 class KvCacheUsageScorer:
     """Emptiest KV cache: 1 - usage. 0.5 for upstreams without a snapshot (no information)."""
 
-    name: str = "kv-cache-usage"
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -111,12 +106,11 @@ def _inverse_minmax(values: Sequence[float]) -> list[float]:
     return [(hi - x) / span for x in values]
 
 
-@register("scorer", "session-affinity")
+@SCORERS.register("session-affinity")
 @dataclass(slots=True)
 class SessionAffinityScorer:
     """1.0 for the upstream a session hashes to (rendezvous hashing, stable as upstreams come and go)."""
 
-    name: str = "session-affinity"
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -144,12 +138,11 @@ class _SeededPicker:
         self._rng = random.Random(self.seed)
 
 
-@register("picker", "max-score")
+@PICKERS.register("max-score")
 @dataclass(slots=True)
 class MaxScorePicker(_SeededPicker):
     """Highest total score; ties broken at random so replicas with equal views do not herd."""
 
-    name: str = "max-score"
 
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
@@ -159,12 +152,11 @@ class MaxScorePicker(_SeededPicker):
         return candidates[best[0] if len(best) == 1 else self._rng.choice(best)]
 
 
-@register("picker", "weighted-random")
+@PICKERS.register("weighted-random")
 @dataclass(slots=True)
 class WeightedRandomPicker(_SeededPicker):
     """Random choice with probability proportional to score (uniform when all scores are zero)."""
 
-    name: str = "weighted-random"
 
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
@@ -174,13 +166,12 @@ class WeightedRandomPicker(_SeededPicker):
         return self._rng.choices(list(candidates), weights=list(scores), k=1)[0]
 
 
-@register("picker", "weighted-round-robin")
+@PICKERS.register("weighted-round-robin")
 @dataclass(slots=True)
 class WeightedRoundRobinPicker:
     """Smooth weighted round robin by capacity weight, ignoring scores: the fallback when no fresh
     fleet information exists (every request still succeeds, spread by configured capacity)."""
 
-    name: str = "weighted-round-robin"
     _current: dict[str, float] = field(init=False, default_factory=dict)
 
     def pick(

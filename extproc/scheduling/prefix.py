@@ -20,7 +20,7 @@ from hashlib import blake2b
 
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
-from extproc.scheduling.framework import FleetState, register
+from extproc.scheduling.framework import SCORERS, FleetState
 
 
 def prefix_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
@@ -34,7 +34,7 @@ def prefix_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
     return out
 
 
-@register("scorer", "prefix-affinity")
+@SCORERS.register("prefix-affinity")
 @dataclass(slots=True)
 class PrefixAffinityScorer:
     block_chars: int = 256
@@ -47,7 +47,6 @@ class PrefixAffinityScorer:
     # lower multi-turn tail (p99 TTFT 657 vs 822 ms, 4 A10G engines); (3.0, 32) hurt goodput.
     overload_ratio: float = 2.0
     overload_slack: float = 16.0
-    name: str = "prefix-affinity"
     _index: dict[str, OrderedDict[bytes, None]] = field(init=False, default_factory=dict)
     _last: tuple[InferenceRequest | None, list[bytes]] = field(init=False, default=(None, []))
 

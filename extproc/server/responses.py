@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.config import HeaderNames
+from extproc.settings import HeaderNames
 from extproc.fleet import Upstream
 from extproc.openai import RequestError
 
@@ -104,7 +104,7 @@ def immediate(error: RequestError) -> pb.ProcessingResponse:
         sets.append(_set("retry-after", str(error.retry_after)))
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=HttpStatus(code=error.status),  # type: ignore[arg-type]
+            status=HttpStatus(code=error.status),
             headers=pb.HeaderMutation(set_headers=sets),
             body=error.body(),
             details=IMMEDIATE_DETAILS,

@@ -20,12 +20,12 @@ from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import Proces
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from extproc.config import PROFILE_METADATA_KEY
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai import RequestError, RequestHead
 from extproc.openai.errors import internal_error
 from extproc.scheduling import Profile
 from extproc.server import responses
+from extproc.settings import PROFILE_METADATA_KEY
 
 log = logging.getLogger("extproc.stream")
 
@@ -88,8 +88,8 @@ class RequestStream:
 
     def close(self) -> None:
         """The stream ended (normally, or cancelled by Envoy on client disconnect)."""
-        if self.decision is not None and self.decision.lease.release():
-            self.lifecycle.metrics.releases.labels(trigger="stream_end").inc()
+        if self.decision is not None:
+            self.lifecycle.finish(self.decision, "stream_end")
         self.phase = Phase.DONE
 
     # -- request path --------------------------------------------------------------------------
@@ -172,17 +172,14 @@ class RequestStream:
         return []
 
     def _release_on_response_end(self) -> None:
-        if self.decision is not None and self.decision.lease.release():
-            self.lifecycle.metrics.releases.labels(trigger="response_end").inc()
+        if self.decision is not None:
+            self.lifecycle.finish(self.decision, "response_end")
 
     def _reject(self, err: RequestError) -> list[pb.ProcessingResponse]:
         if self.phase is Phase.DONE:
             return []
-        model = self.decision.request.model if self.decision is not None else None
-        if self.decision is not None:
-            self.decision.lease.release()
         self.phase = Phase.DONE
-        self.lifecycle.rejected(err, model)
+        self.lifecycle.reject(err, self.decision)
         return [responses.immediate(err)]
 
 

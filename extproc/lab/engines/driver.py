@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from extproc.sim.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
+from extproc.lab.engines.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
 
 Event = FirstTokenEvent | TokenEvent | FinishedEvent
 

@@ -12,19 +12,20 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from extproc.sim.driver import ModelDriver
-from extproc.sim.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
-from extproc.sim.profiles import GpuProfile
-from extproc.sim.tokens import chat_to_tokens, token_text, tokenize
+from extproc.lab.engines.driver import ModelDriver
+from extproc.lab.engines.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
+from extproc.lab.engines.profiles import GpuProfile
+from extproc.lab.engines.tokens import chat_to_tokens, token_text, tokenize
 
 SIM_GPU_BLOCKS = 4096
 ROUTING_HEADERS = ("x-llm-destination-cluster", "x-gateway-destination-endpoint")
@@ -429,7 +430,7 @@ class _PrefixCacheCollector(Collector):
         self.model = model
         self.labels = labels
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         names, values = list(self.labels), list(self.labels.values())
         for name, doc, value in (
             (

@@ -18,7 +18,7 @@ from extproc.config import config_from_dict
 from extproc.fleet import FleetView
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.redis_feed import RedisFeed, RedisSettings
-from extproc.gateway import RedisProcess
+from extproc.lab.stack import RedisProcess
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
 from extproc.telemetry import Metrics
@@ -80,7 +80,7 @@ def _head() -> Any:
     )
 
 
-def decision_latency(n: int, mode: str, decisions: int = 3000) -> dict[str, float]:
+def decision_latency(n: int, mode: str, decisions: int = 3000) -> dict[str, float | str]:
     """Median and p99 of RequestLifecycle.route() (parse + schedule + record) with n fresh instances."""
     rng = random.Random(n)
     cfg = config_from_dict(_config(n, mode))
@@ -100,7 +100,7 @@ def decision_latency(n: int, mode: str, decisions: int = 3000) -> dict[str, floa
         t0 = time.perf_counter()
         d = lifecycle.route(head, body)
         times.append(time.perf_counter() - t0)
-        d.lease.release()
+        lifecycle.finish(d, "response_end")
     times.sort()
     return {
         "instances": n,
@@ -213,11 +213,11 @@ async def run_fleet_bench(out_dir: Path = Path("out/fleet")) -> int:
 async def outage_latency(requests: int = 600, out_dir: Path = Path("out/fleet")) -> dict[str, float]:
     """Request latency through real Envoy + service with Redis up, then right after Redis is stopped
     (snapshots still fresh): the request path must not notice the outage."""
-    from extproc.bench.loadgen import closed_loop
-    from extproc.bench.report import summarize
-    from extproc.gateway import LocalGateway
+    from extproc.lab.bench.loadgen import closed_loop
+    from extproc.lab.bench.report import summarize
+    from extproc.lab.engines import EngineGroup
+    from extproc.lab.stack import LocalGateway
     from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
-    from extproc.sim import EngineGroup
 
     out_dir.mkdir(parents=True, exist_ok=True)
     group = EngineGroup([0.0, 0.0], "sim-llama")

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extproc.bench.loadgen import closed_loop, open_loop
-from extproc.bench.report import Report, RequestRecord, Slo, format_table, plot, summarize, write_json
-from extproc.bench.workloads import make_workload
 from extproc.fleet.redis_feed import RedisSettings
-from extproc.gateway import (
+from extproc.lab.bench.loadgen import closed_loop, open_loop
+from extproc.lab.bench.report import Report, RequestRecord, Slo, format_table, plot, summarize, write_json
+from extproc.lab.bench.workloads import make_workload
+from extproc.lab.engines import EngineGroup
+from extproc.lab.stack import (
     ENVOY_DIR,
     EnvoyProcess,
     LocalGateway,
@@ -29,7 +30,6 @@ from extproc.gateway import (
     local_redis,
 )
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
-from extproc.sim import EngineGroup
 
 MODEL = "sim-llama"
 
@@ -316,8 +316,8 @@ async def run_live_bench(
     """Each policy on a fresh fleet of model-driven simulated engines (cold KV caches), same requests."""
     import subprocess
 
-    from extproc.gateway import wait_port
-    from extproc.sim.profiles import PROFILES
+    from extproc.lab.engines.profiles import PROFILES
+    from extproc.lab.stack import wait_port
 
     find_envoy()
     unknown = [p for p in policies if p not in LIVE_POLICIES]

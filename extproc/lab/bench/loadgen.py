@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.bench.report import RequestRecord
+from extproc.lab.bench.report import RequestRecord
 
 
 async def one_request(

@@ -1,6 +1,6 @@
 """Running the gateway's real parts on loopback: Envoy and the service as processes."""
 
-from extproc.gateway.stack import (
+from extproc.lab.stack.processes import (
     ENVOY_DIR,
     EnvoyProcess,
     LocalGateway,
