@@ -187,8 +187,9 @@ def string_list(value: Any, where: str, *, empty: bool = True) -> list[str]:
 
 
 def listen_address(value: Any, where: str) -> str:
-    """`host:port` for a listening socket: an IP literal ([v6] bracketed), a host name, or empty for all
-    interfaces; port 0..65535 (0: any free port). Checked here so `check-config` catches it."""
+    """`host:port` for a listening socket: an IP literal ([v6] bracketed; 0.0.0.0 or [::] for every
+    interface) or a host name; port 0..65535 (0: any free port). Checked here so `check-config` catches
+    it rather than the server failing at start."""
     text = string(value, where)
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -199,7 +200,7 @@ def listen_address(value: Any, where: str) -> str:
         except ValueError:
             raise ConfigError(f"{where}: {host} is not an IPv6 address") from None
         return text
-    if host and not _hostname(host):
+    if not _hostname(host):
         raise ConfigError(f"{where}: {host!r} is neither an IP address nor a host name")
     return text
 
