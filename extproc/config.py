@@ -36,6 +36,8 @@ from extproc.settings import (
     redis_settings,
     string,
 )
+from extproc.tokenization import TokenizerRegistry
+from extproc.tokenization import from_config as tokenizers_from_config
 
 
 @dataclass(slots=True)
@@ -53,6 +55,8 @@ class ServiceConfig:
     endpoint_metadata_namespace: str = DEFAULT_ENDPOINT_METADATA_NAMESPACE
     fleet: RedisSettings | None = None
     """Live fleet state from Redis; None keeps the static pool with the service's own counts."""
+    tokenizers: TokenizerRegistry | None = None
+    """Per-model tokenizers (`tokenizers:` in the YAML); None: plugins estimate ~4 bytes per token."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
@@ -77,10 +81,10 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
         raise ConfigError(f"{chosen}: not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{chosen}: top level must be a mapping")
-    return config_from_dict(raw, **overrides)
+    return config_from_dict(raw, base_dir=Path(chosen).parent, **overrides)
 
 
-_SECTIONS = ("routing", "pool", "scheduling", "headers", "fleet")
+_SECTIONS = ("routing", "pool", "scheduling", "headers", "fleet", "tokenizers")
 
 
 def _scalars(raw: dict[str, Any]) -> dict[str, Any]:
@@ -116,8 +120,11 @@ _SCALAR_KEYS = (
 )
 
 
-def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
-    """Build and validate a config; every malformed input raises ConfigError naming the key."""
+def config_from_dict(
+    raw: dict[str, Any], *, base_dir: str | os.PathLike[str] | None = None, **overrides: Any
+) -> ServiceConfig:
+    """Build and validate a config; every malformed input raises ConfigError naming the key.
+    Relative file names (tokenizer files) resolve against `base_dir`, the config file's folder."""
     raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
     check_keys(raw, (*_SCALAR_KEYS, *_SECTIONS), "config")
     scalars = _scalars(raw)
@@ -149,7 +156,18 @@ def config_from_dict(raw: dict[str, Any], **overrides: Any) -> ServiceConfig:
     fleet = None
     if raw.get("fleet") is not None:
         fleet = redis_settings(raw["fleet"], "config: 'fleet'", password_env=ENV_REDIS_PASSWORD)
+    tokenizers = None
+    if raw.get("tokenizers") is not None:
+        try:
+            tokenizers = tokenizers_from_config(
+                mapping(raw["tokenizers"], "config: 'tokenizers'"), base_dir=base_dir
+            )
+        except ConfigError:
+            raise
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"config: {exc}") from None
     return ServiceConfig(
+        tokenizers=tokenizers,
         fleet=fleet,
         pool=pool,
         profile=built[chosen],

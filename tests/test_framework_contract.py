@@ -151,7 +151,7 @@ def test_finish_releases_counts_and_tells_plugins_exactly_once() -> None:
     assert sample(lc, "llm_extproc_plugin_seconds_count", kind="scorer", plugin="Learner") == 1
 
 
-def test_stream_close_goes_through_the_lifecycle() -> None:
+async def test_stream_close_goes_through_the_lifecycle() -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
     learner = Learner()
@@ -164,8 +164,8 @@ def test_stream_close_goes_through_the_lifecycle() -> None:
         "content-type": "application/json",
     }.items():
         hdrs.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-    s.on_message(hdrs)
-    s.on_message(pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True)))
+    await s.on_message(hdrs)
+    await s.on_message(pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY, end_of_stream=True)))
     s.close()
     assert learner.finished == ["b"]
     assert sample(lc, "llm_extproc_releases_total", trigger="stream_end") == 1

@@ -625,6 +625,7 @@ class TestRegistry:
         assert registered("scorer") == [
             "kv-cache-usage",
             "least-outstanding",
+            "predicted-ttft",
             "prefix-affinity",
             "queue-depth",
             "session-affinity",

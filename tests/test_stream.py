@@ -49,13 +49,13 @@ def set_headers(common: pb.CommonResponse) -> dict[str, str]:
     return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
 
 
-def test_buffered_routes_in_body_reply_and_holds_lease_until_close() -> None:
+async def test_buffered_routes_in_body_reply_and_holds_lease_until_close() -> None:
     lc = lifecycle()
     s = RequestStream(lc)
-    [r1] = s.on_message(headers_msg())
+    [r1] = await s.on_message(headers_msg())
     assert r1.WhichOneof("response") == "request_headers"
     assert not r1.request_headers.response.HasField("header_mutation")  # just continue
-    [r2] = s.on_message(body_msg(CHAT))
+    [r2] = await s.on_message(body_msg(CHAT))
     common = r2.request_body.response
     assert common.clear_route_cache
     chosen = set_headers(common)["x-llm-destination-cluster"]
@@ -71,23 +71,23 @@ def test_buffered_routes_in_body_reply_and_holds_lease_until_close() -> None:
     assert lc.inflight.total() == 0
 
 
-def test_full_duplex_defers_headers_reply_and_returns_body() -> None:
+async def test_full_duplex_defers_headers_reply_and_returns_body() -> None:
     lc = lifecycle()
     s = RequestStream(lc)
-    assert s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED)) == []
-    assert s.on_message(body_msg(CHAT[:10], end_of_stream=False)) == []
-    r_headers, r_body = s.on_message(body_msg(CHAT[10:], end_of_stream=True))
+    assert await s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED)) == []
+    assert await s.on_message(body_msg(CHAT[:10], end_of_stream=False)) == []
+    r_headers, r_body = await s.on_message(body_msg(CHAT[10:], end_of_stream=True))
     assert r_headers.request_headers.response.clear_route_cache
     assert "x-llm-destination-cluster" in set_headers(r_headers.request_headers.response)
     streamed = r_body.request_body.response.body_mutation.streamed_response
     assert streamed.body == CHAT and streamed.end_of_stream
 
 
-def test_full_duplex_with_trailers_ends_in_trailers_reply() -> None:
+async def test_full_duplex_with_trailers_ends_in_trailers_reply() -> None:
     s = RequestStream(lifecycle())
-    s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED))
-    assert s.on_message(body_msg(CHAT, end_of_stream=False)) == []
-    replies = s.on_message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+    await s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED))
+    assert await s.on_message(body_msg(CHAT, end_of_stream=False)) == []
+    replies = await s.on_message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
     assert [r.WhichOneof("response") for r in replies] == [
         "request_headers",
         "request_body",
@@ -96,26 +96,26 @@ def test_full_duplex_with_trailers_ends_in_trailers_reply() -> None:
     assert not replies[1].request_body.response.body_mutation.streamed_response.end_of_stream
 
 
-def test_bodyless_request_routes_in_headers_reply() -> None:
+async def test_bodyless_request_routes_in_headers_reply() -> None:
     s = RequestStream(lifecycle())
-    [r] = s.on_message(headers_msg(end_of_stream=True, method="GET", path="/v1/models"))
+    [r] = await s.on_message(headers_msg(end_of_stream=True, method="GET", path="/v1/models"))
     assert r.request_headers.response.clear_route_cache
     assert set_headers(r.request_headers.response)["x-llm-destination-cluster"] in {"gpu-a", "gpu-b"}
     assert s.phase is Phase.ROUTED
 
 
-def test_chat_without_body_is_400() -> None:
+async def test_chat_without_body_is_400() -> None:
     s = RequestStream(lifecycle())
-    [r] = s.on_message(headers_msg(end_of_stream=True))
+    [r] = await s.on_message(headers_msg(end_of_stream=True))
     assert r.immediate_response.status.code == 400
     assert orjson.loads(r.immediate_response.body)["error"]["code"] == "missing_body"
     assert s.phase is Phase.DONE
 
 
-def test_endpoint_mode_sets_header_and_lb_metadata() -> None:
+async def test_endpoint_mode_sets_header_and_lb_metadata() -> None:
     s = RequestStream(lifecycle(routing="endpoint"))
-    s.on_message(headers_msg())
-    [r] = s.on_message(body_msg(CHAT))
+    await s.on_message(headers_msg())
+    [r] = await s.on_message(body_msg(CHAT))
     hs = set_headers(r.request_body.response)
     addr = hs["x-gateway-destination-endpoint"]
     assert addr in {"127.0.0.1:1", "127.0.0.1:2"}
@@ -123,53 +123,53 @@ def test_endpoint_mode_sets_header_and_lb_metadata() -> None:
     assert md.string_value == addr
 
 
-def test_immediate_error_has_json_body_and_content_type() -> None:
+async def test_immediate_error_has_json_body_and_content_type() -> None:
     s = RequestStream(lifecycle())
-    s.on_message(headers_msg())
-    [r] = s.on_message(body_msg(b"{not json"))
+    await s.on_message(headers_msg())
+    [r] = await s.on_message(body_msg(b"{not json"))
     ir = r.immediate_response
     assert ir.status.code == 400 and ir.details == "llm_extproc_rejected"
     assert {h.header.key: h.header.raw_value for h in ir.headers.set_headers}[
         "content-type"
     ] == b"application/json"
-    assert s.on_message(body_msg(b"more")) == []  # after an immediate response, nothing else is answered
+    assert await s.on_message(body_msg(b"more")) == []  # after an immediate response, nothing else is answered
 
 
-def test_content_length_over_limit_rejected_at_headers() -> None:
+async def test_content_length_over_limit_rejected_at_headers() -> None:
     s = RequestStream(lifecycle(max_body_bytes=100))
-    [r] = s.on_message(headers_msg(**{"content-length": "101"}))
+    [r] = await s.on_message(headers_msg(**{"content-length": "101"}))
     assert r.immediate_response.status.code == 413
 
 
-def test_full_duplex_chunks_over_limit_rejected_before_the_end() -> None:
+async def test_full_duplex_chunks_over_limit_rejected_before_the_end() -> None:
     s = RequestStream(lifecycle(max_body_bytes=100))
-    s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED))
-    assert s.on_message(body_msg(b"x" * 60, end_of_stream=False)) == []
-    [r] = s.on_message(body_msg(b"x" * 60, end_of_stream=False))
+    await s.on_message(headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED))
+    assert await s.on_message(body_msg(b"x" * 60, end_of_stream=False)) == []
+    [r] = await s.on_message(body_msg(b"x" * 60, end_of_stream=False))
     assert r.immediate_response.status.code == 413
 
 
-def test_partial_buffered_body_is_413() -> None:
+async def test_partial_buffered_body_is_413() -> None:
     s = RequestStream(lifecycle())
-    s.on_message(headers_msg(mode=ProcessingMode.BUFFERED_PARTIAL))
-    [r] = s.on_message(body_msg(CHAT[:5], end_of_stream=False))
+    await s.on_message(headers_msg(mode=ProcessingMode.BUFFERED_PARTIAL))
+    [r] = await s.on_message(body_msg(CHAT[:5], end_of_stream=False))
     assert r.immediate_response.status.code == 413
 
 
-def test_streamed_body_mode_is_refused_clearly() -> None:
+async def test_streamed_body_mode_is_refused_clearly() -> None:
     s = RequestStream(lifecycle())
-    [r] = s.on_message(headers_msg(mode=ProcessingMode.STREAMED))
+    [r] = await s.on_message(headers_msg(mode=ProcessingMode.STREAMED))
     assert r.immediate_response.status.code == 500
     assert b"FULL_DUPLEX_STREAMED" in r.immediate_response.body
 
 
-def test_response_trailers_release_lease_once() -> None:
+async def test_response_trailers_release_lease_once() -> None:
     lc = lifecycle()
     s = RequestStream(lc)
-    s.on_message(headers_msg())
-    s.on_message(body_msg(CHAT))
+    await s.on_message(headers_msg())
+    await s.on_message(body_msg(CHAT))
     assert lc.inflight.total() == 1
-    [r] = s.on_message(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    [r] = await s.on_message(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
     assert r.WhichOneof("response") == "response_trailers"
     assert lc.inflight.total() == 0
     s.close()
@@ -179,21 +179,21 @@ def test_response_trailers_release_lease_once() -> None:
     assert m.get_sample_value("llm_extproc_releases_total", {"trigger": "stream_end"}) is None
 
 
-def test_full_duplex_response_body_is_echoed() -> None:
+async def test_full_duplex_response_body_is_echoed() -> None:
     lc = lifecycle()
     s = RequestStream(lc)
     msg = headers_msg()
     msg.protocol_config.response_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
-    s.on_message(msg)
-    s.on_message(body_msg(CHAT))
-    [r] = s.on_message(
+    await s.on_message(msg)
+    await s.on_message(body_msg(CHAT))
+    [r] = await s.on_message(
         pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: x\n\n", end_of_stream=True))
     )
     assert r.response_body.response.body_mutation.streamed_response.body == b"data: x\n\n"
     assert lc.inflight.total() == 0
 
 
-def test_internal_error_becomes_500_and_does_not_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_internal_error_becomes_500_and_does_not_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     lc = lifecycle()
 
     class Boom:
@@ -204,8 +204,8 @@ def test_internal_error_becomes_500_and_does_not_raise(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(lc.config.profile, "picker", Boom())
     s = RequestStream(lc)
-    s.on_message(headers_msg())
-    [r] = s.on_message(body_msg(CHAT))
+    await s.on_message(headers_msg())
+    [r] = await s.on_message(body_msg(CHAT))
     assert r.immediate_response.status.code == 500
     assert b"bug" not in r.immediate_response.body  # internals are not leaked to the client
 

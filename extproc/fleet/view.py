@@ -27,6 +27,11 @@ class Load:
     published_at: float  # oldest snapshot behind this figure (unix seconds)
     instances: int
     own_at_snapshot: int  # this process's in-flight requests there when the latest snapshot arrived
+    kv_blocks_total: int = 0  # summed over the instances; 0 when the engines do not say
+    kv_blocks_free: int = 0
+    block_size: int = 0  # tokens per KV block (the largest among the instances)
+    epoch: int = 0  # bumped when an instance behind this upstream changes readiness (a restart goes
+    # through DOWN or WARMING_UP): what a model of its cache learned before is gone
 
 
 class FleetView:
@@ -42,6 +47,7 @@ class FleetView:
         # above that level were sent after the engine's figures were taken (see SchedulingState).
         self.own_count = own_count
         self._own_at_apply: dict[str, int] = {}
+        self._epochs: dict[str, int] = {}
         self._static_models = {c.name: frozenset(c.models) for c in pool.clusters}
         self.known_clusters = frozenset(self._static_models)
         self._instances: dict[str, InstanceState] = {}
@@ -60,8 +66,11 @@ class FleetView:
                 return False
             if held.publisher_id != state.publisher_id and state.published_at < held.published_at:
                 return False
+        key = self._key(state)
+        if held is not None and held.ready != state.ready:
+            self._epochs[key] = self._epochs.get(key, 0) + 1
         self._instances[state.upstream_id] = state
-        self._own_at_apply[self._key(state)] = self.own_count(self._key(state))
+        self._own_at_apply[key] = self.own_count(key)
         self.dirty = True
         return True
 
@@ -114,6 +123,10 @@ class FleetView:
                 published_at=min(i.published_at for i in insts),
                 instances=len(insts),
                 own_at_snapshot=self._own_at_apply.get(key, 0),
+                kv_blocks_total=sum(i.kv_blocks_total for i in insts),
+                kv_blocks_free=sum(i.kv_blocks_free for i in insts),
+                block_size=max(i.block_size for i in insts),
+                epoch=self._epochs.get(key, 0),
             )
         self._candidates = {m: tuple(upstreams[k] for k in keys) for m, keys in by_model.items()}
         self._fresh_models = frozenset(fresh_models)
@@ -155,6 +168,9 @@ class SchedulingState:
 
     def load(self, upstream_id: str) -> Load | None:
         return self.view.load(upstream_id) if self.view is not None else None
+
+    def now(self) -> float:
+        return self.view.clock() if self.view is not None else time.time()
 
     def pending(self, upstream_id: str) -> int:
         """Requests the engines' figures do not include yet: how far this process's in-flight count

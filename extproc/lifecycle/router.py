@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -28,6 +30,7 @@ from extproc.openai.parse import check_content_type
 from extproc.scheduling import Profile, profile_from_config
 from extproc.settings import FALLBACK_PROFILE
 from extproc.telemetry import Metrics
+from extproc.tokenization import ChatTemplateError, TokenizedPrompt, TokenizerRegistry
 
 log = logging.getLogger("extproc.lifecycle")
 
@@ -89,9 +92,64 @@ class RequestLifecycle:
         return found
 
     def route(self, head: RequestHead, body: bytes | None, profile: Profile | None = None) -> Decision:
-        """Parse, admit, schedule and record one request; raises RequestError to reject it."""
+        """Parse, tokenize, admit, schedule and record one request on the calling thread (the
+        discrete-event mode, benches, tests); raises RequestError to reject it."""
         started = time.perf_counter()
         request = self._parse(head, body)
+        args = self._tokenize_args(request)
+        if args is not None:
+            self._tokenized(request, self._tokenize(lambda: self._registry().tokenize(**args)))
+        return self._schedule(request, profile, started)
+
+    async def route_async(
+        self, head: RequestHead, body: bytes | None, profile: Profile | None = None
+    ) -> Decision:
+        """As route(), for the event loop: a long prompt is encoded on a worker thread."""
+        started = time.perf_counter()
+        request = self._parse(head, body)
+        args = self._tokenize_args(request)
+        if args is not None:
+            try:
+                result = await self._registry().tokenize_async(**args)
+            except ChatTemplateError as exc:
+                raise _template_error(exc) from None
+            self._tokenized(request, result)
+        return self._schedule(request, profile, started)
+
+    # -- tokenize --------------------------------------------------------------------------------
+    def _registry(self) -> TokenizerRegistry:
+        assert self.config.tokenizers is not None
+        return self.config.tokenizers
+
+    def _tokenize_args(self, request: InferenceRequest) -> dict[str, Any] | None:
+        """What to tokenize, or None: no tokenizers configured (plugins estimate from the text), no
+        model, or token ids already in the body."""
+        if self.config.tokenizers is None or request.model is None or request.prompt_token_ids:
+            return None
+        if request.messages is not None:
+            return {"model": request.model, "messages": request.messages}
+        if request.api in _MODEL_APIS:
+            return {"model": request.model, "prompt": request.prompt_text}
+        return None
+
+    @staticmethod
+    def _tokenize(run: Callable[[], TokenizedPrompt]) -> TokenizedPrompt:
+        try:
+            return run()
+        except ChatTemplateError as exc:
+            raise _template_error(exc) from None
+
+    def _tokenized(self, request: InferenceRequest, result: TokenizedPrompt) -> None:
+        m = self.metrics
+        m.tokenized.labels(source=result.source).inc()
+        if result.exact:
+            request.prompt_token_ids = result.token_ids
+            request.prompt_tokens = result.token_count
+            m.tokenized_tokens.labels(cache="hit").inc(result.cached_tokens)
+            m.tokenized_tokens.labels(cache="miss").inc(result.token_count - result.cached_tokens)
+
+    # -- admit, schedule, record -------------------------------------------------------------------
+    def _schedule(self, request: InferenceRequest, profile: Profile | None, started: float) -> Decision:
         # -- admit ---------------------------------------------------------------------------------
         profile = profile or self.config.profile
         candidates = self._candidates(request.model)
@@ -159,6 +217,12 @@ class RequestLifecycle:
         if head.api in _MODEL_APIS:
             return parse_body(head, body)
         return _parse_other(head, body)
+
+
+def _template_error(exc: ChatTemplateError) -> RequestError:
+    """The model's chat template rejected the messages (e.g. roles that must alternate): the client's
+    request is at fault, as with the engine itself, which would answer 400 too."""
+    return bad_request(f"The chat template rejected the messages: {str(exc)[:300]}", code="invalid_messages")
 
 
 def _parse_other(head: RequestHead, body: bytes) -> InferenceRequest:

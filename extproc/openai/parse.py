@@ -6,6 +6,7 @@ so fields this parser does not know (tools, response_format, ...) reach the engi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -56,11 +57,16 @@ class InferenceRequest:
     stream: bool
     max_tokens: int | None
     prompt_text: str
-    prompt_token_ids: list[int] | None
+    prompt_token_ids: Sequence[int] | None
+    """From the body (completions with token ids) or from the tokenization stage."""
     session: str | None
     user: str | None
     priority: int
     body_bytes: int
+    messages: list[dict[str, Any]] | None = None
+    """Chat messages as validated here: what the tokenization stage renders with the chat template."""
+    prompt_tokens: int | None = None
+    """Set by the tokenization stage: exact with a tokenizer, else None (plugins estimate)."""
 
 
 def api_for_path(path: str) -> Api:
@@ -152,8 +158,10 @@ def parse_body(head: RequestHead, body: bytes) -> InferenceRequest:
 
     prompt_text = ""
     token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
     if api is Api.CHAT:
         prompt_text = _chat_text(doc)
+        messages = doc["messages"]
     elif api is Api.COMPLETION:
         prompt_text, token_ids = _prompt(doc, "prompt")
     elif api is Api.EMBEDDING:
@@ -170,6 +178,7 @@ def parse_body(head: RequestHead, body: bytes) -> InferenceRequest:
         user=head.user or user,
         priority=head.priority,
         body_bytes=len(body),
+        messages=messages,
     )
 
 

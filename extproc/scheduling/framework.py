@@ -34,6 +34,11 @@ class FleetState(Protocol):
         """Requests sent there that the last snapshot does not include yet."""
         ...
 
+    def now(self) -> float:
+        """The fleet's clock (unix seconds; virtual time in the discrete-event mode), the one snapshots'
+        `published_at` is measured on."""
+        ...
+
 
 class Filter(Protocol):
     def filter(

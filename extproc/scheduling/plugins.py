@@ -30,7 +30,6 @@ class MaxInflightFilter:
 class LeastOutstandingScorer:
     """1.0 for the upstream with the fewest outstanding requests per unit of weight, 0.0 for the most."""
 
-
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[float]:
@@ -70,7 +69,6 @@ class QueueDepthScorer:
     of this process's in-flight count there since that report (own in-flight when there is no
     snapshot). Min-max scaled."""
 
-
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[float]:
@@ -86,7 +84,6 @@ class QueueDepthScorer:
 @dataclass(slots=True)
 class KvCacheUsageScorer:
     """Emptiest KV cache: 1 - usage. 0.5 for upstreams without a snapshot (no information)."""
-
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -110,7 +107,6 @@ def _inverse_minmax(values: Sequence[float]) -> list[float]:
 @dataclass(slots=True)
 class SessionAffinityScorer:
     """1.0 for the upstream a session hashes to (rendezvous hashing, stable as upstreams come and go)."""
-
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -143,7 +139,6 @@ class _SeededPicker:
 class MaxScorePicker(_SeededPicker):
     """Highest total score; ties broken at random so replicas with equal views do not herd."""
 
-
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
     ) -> Upstream:
@@ -156,7 +151,6 @@ class MaxScorePicker(_SeededPicker):
 @dataclass(slots=True)
 class WeightedRandomPicker(_SeededPicker):
     """Random choice with probability proportional to score (uniform when all scores are zero)."""
-
 
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]

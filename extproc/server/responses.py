@@ -10,9 +10,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
-from extproc.settings import HeaderNames
 from extproc.fleet import Upstream
 from extproc.openai import RequestError
+from extproc.settings import HeaderNames
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 IMMEDIATE_DETAILS = "llm_extproc_rejected"

@@ -42,7 +42,8 @@ class Phase(Enum):
 
 
 class RequestStream:
-    """State for one ext_proc stream. `on_message` returns the replies to send, in order."""
+    """State for one ext_proc stream. `on_message` returns the replies to send, in order. It awaits
+    only when routing a long prompt (tokenized on a worker thread, never on the event loop)."""
 
     __slots__ = (
         "_body",
@@ -67,18 +68,18 @@ class RequestStream:
         self._body: list[bytes] = []
         self._body_size = 0
 
-    def on_message(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+    async def on_message(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = msg.WhichOneof("request")
         if msg.HasField("protocol_config"):
             self.body_mode = msg.protocol_config.request_body_mode
             self.response_body_mode = msg.protocol_config.response_body_mode
         try:
             if kind == "request_headers":
-                return self._on_request_headers(msg.request_headers)
+                return await self._on_request_headers(msg.request_headers)
             if kind == "request_body":
-                return self._on_request_body(msg.request_body)
+                return await self._on_request_body(msg.request_body)
             if kind == "request_trailers":
-                return self._on_request_trailers()
+                return await self._on_request_trailers()
             return self._on_response(kind, msg)
         except RequestError as err:
             return self._reject(err)
@@ -93,12 +94,12 @@ class RequestStream:
         self.phase = Phase.DONE
 
     # -- request path --------------------------------------------------------------------------
-    def _on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    async def _on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         if self.phase is not Phase.HEADERS:
             raise RequestError(500, "Unexpected request headers.", err_type="server_error", code="protocol")
         self.head = self.lifecycle.read_head(_header_map(msg))
         if msg.end_of_stream:
-            return [self._route(None, in_headers=True)]
+            return [await self._route(None, in_headers=True)]
         if self.body_mode == _STREAMED:
             raise RequestError(
                 500,
@@ -112,7 +113,7 @@ class RequestStream:
             return []  # the headers reply waits for the body
         return [responses.request_headers()]
 
-    def _on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    async def _on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.phase is not Phase.BODY:
             raise RequestError(500, "Unexpected request body.", err_type="server_error", code="protocol")
         if msg.body:
@@ -122,26 +123,26 @@ class RequestStream:
         if self.body_mode == _FULL_DUPLEX:
             if not msg.end_of_stream:
                 return []
-            return self._route_full_duplex(end_of_stream=True)
+            return await self._route_full_duplex(end_of_stream=True)
         if not msg.end_of_stream:
             # BUFFERED_PARTIAL hands over a prefix once Envoy's buffer is full: the body is too big.
             raise RequestError(413, "Request body exceeds the gateway buffer.", code="request_too_large")
-        return [self._route(b"".join(self._body), in_headers=False)]
+        return [await self._route(b"".join(self._body), in_headers=False)]
 
-    def _on_request_trailers(self) -> list[pb.ProcessingResponse]:
+    async def _on_request_trailers(self) -> list[pb.ProcessingResponse]:
         if self.phase is Phase.BODY and self.body_mode == _FULL_DUPLEX:
-            return [*self._route_full_duplex(end_of_stream=False), responses.request_trailers()]
+            return [*await self._route_full_duplex(end_of_stream=False), responses.request_trailers()]
         return [responses.request_trailers()]
 
-    def _route_full_duplex(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+    async def _route_full_duplex(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self._body)
-        headers_reply = self._route(body, in_headers=True)
+        headers_reply = await self._route(body, in_headers=True)
         return [headers_reply, responses.request_body(streamed=body, end_of_stream=end_of_stream)]
 
-    def _route(self, body: bytes | None, *, in_headers: bool) -> pb.ProcessingResponse:
+    async def _route(self, body: bytes | None, *, in_headers: bool) -> pb.ProcessingResponse:
         assert self.head is not None
         self._body = []
-        decision = self.lifecycle.route(self.head, body, self.profile)
+        decision = await self.lifecycle.route_async(self.head, body, self.profile)
         self.decision = decision
         self.phase = Phase.ROUTED
         cfg = self.lifecycle.config
@@ -213,7 +214,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         streams.inc()
         try:
             async for msg in request_iterator:
-                for reply in stream.on_message(msg):
+                for reply in await stream.on_message(msg):
                     yield reply
                 if stream.phase is Phase.DONE:
                     break

@@ -95,6 +95,20 @@ class Metrics:
             registry=self.registry,
         )
         self._plugin_series: dict[tuple[str, str], Any] = {}
+        self.tokenized = Counter(
+            "llm_extproc_tokenized_requests",
+            "Requests whose prompt was tokenized, by source: tokenizer (exact) or estimate (no tokenizer "
+            "file for the model: ~4 bytes per token).",
+            ["source"],
+            registry=self.registry,
+        )
+        self.tokenized_tokens = Counter(
+            "llm_extproc_tokenized_tokens",
+            "Prompt tokens of exactly tokenized requests, by whether the per-segment cache had them "
+            "(multi-turn chats resend their history: hits are tokens not encoded again).",
+            ["cache"],
+            registry=self.registry,
+        )
         for cluster in clusters:
             self.inflight.labels(cluster=cluster).set(0)
 
@@ -108,7 +122,9 @@ class Metrics:
         """The scheduling framework's PluginTimer (labelled series cached: this runs per plugin call)."""
         series = self._plugin_series.get((kind, plugin))
         if series is None:
-            series = self._plugin_series[(kind, plugin)] = self.plugin_seconds.labels(kind=kind, plugin=plugin)
+            series = self._plugin_series[(kind, plugin)] = self.plugin_seconds.labels(
+                kind=kind, plugin=plugin
+            )
         series.observe(seconds)
 
     def on_inflight_change(self, cluster: str, delta: int) -> None:

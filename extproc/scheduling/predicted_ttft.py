@@ -1,0 +1,242 @@
+"""`predicted-ttft`: score each candidate by the time to first token this request is predicted to see
+there, in the engine's own units (tokens, blocks, prefill seconds), so cache affinity and load balance
+are one number instead of two fighting scores (DESIGN.md section 9: "count work, not requests").
+
+For a candidate u:
+
+    ttft(u) = wait(u)                       prefill work queued ahead, in seconds
+            + uncached(u) / rate(u)         this prompt's tokens u does not hold in its prefix cache
+            + decode(u)                     running sequences slow every step that prefills
+            + room(u)                       u's free KV cannot hold those tokens: they wait for room
+            + evict(u)                      the blocks this placement pushes out of u's cache, as the
+                                            prefill time someone will pay to bring them back
+
+`evict` is what keeps affinity and spreading honest without fixed bounds: copying a hot prefix to an
+engine with room costs nothing (a prompt shared by all traffic spreads over the fleet), copying it
+into a full cache costs the tenants it evicts, and a new prefix goes where it evicts least (the
+emptiest cache, as sglang-router's smallest-tree rule places it).
+
+- `uncached(u)` comes from a model of u's cache (`CacheModel`) bounded by u's real KV capacity from its
+  snapshots, LRU like the engine's, with running requests' blocks pinned; reset when u changes
+  readiness (a restart).
+- `wait(u)` is a virtual prefill queue: each routed request adds its uncached prefill time; the queue
+  drains in real time at `rate(u)`. Snapshots correct it: an engine that reports no waiting request
+  cannot have more queued than what was sent after the snapshot; one reporting W waiting has at least
+  W average prefills queued.
+- `rate(u)` is `prefill_tokens_per_s` x the upstream's capacity weight (heterogeneous GPUs), a per-GPU
+  figure until engines publish a measured one.
+
+Scores are `(best + eps) / (ttft(u) + eps)`: 1 for the best candidate, falling with predicted delay.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from extproc.fleet import Load, Upstream
+from extproc.openai import InferenceRequest
+from extproc.scheduling.cache_model import CacheModel, Placement
+from extproc.scheduling.framework import SCORERS, FleetState
+from extproc.scheduling.prefix import prefix_hashes
+from extproc.tokenization import block_hashes
+
+BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
+MAX_TRACKED = 200_000  # routed requests remembered until they finish
+
+
+@dataclass(slots=True)
+class _UpstreamModel:
+    cache: CacheModel
+    epoch: int = 0
+    busy_until: float = 0.0  # when the prefill work sent here is predicted to be done
+    snapshot_at: float = 0.0  # published_at of the last snapshot used for a correction
+    sent: deque[tuple[float, float]] = field(default_factory=deque)  # (when, prefill seconds) recent
+    mean_prefill_s: float = 0.0  # moving mean of the prefill seconds of requests sent here
+
+
+@dataclass(slots=True)
+class _Prediction:
+    """One request's numbers, computed in score() and used again in on_pick()."""
+
+    request: InferenceRequest | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    tokens: int = 0
+    uncached: dict[str, int] = field(default_factory=dict)
+
+
+@SCORERS.register("predicted-ttft")
+@dataclass(slots=True)
+class PredictedTtftScorer:
+    # Prefill throughput of one unit of capacity weight, tokens/s, until engines publish a measured one.
+    # 8B-class model: ~34k on an H100, ~2.4k on an A10G (docs/simulator.md); relative values matter
+    # most, but the virtual queue drains at this rate.
+    prefill_tokens_per_s: float = 10_000.0
+    block_tokens: int = 64  # tokens per index block (a multiple of the engine's block size)
+    max_blocks: int = 2048  # prompts are matched on their first 128k tokens
+    # Used before a snapshot says how much KV an upstream has: ~ an 8B model on an 80 GB GPU.
+    default_kv_tokens: int = 400_000
+    expected_output_tokens: int = 200  # KV room held for the output (capped by max_tokens)
+    evict_weight: float = 0.5  # x the prefill seconds of the cached blocks a placement evicts
+    duplicate_weight: float = 0.0  # x the prefill seconds of blocks another candidate has cached
+    duplicate_pressure: bool = True  # scale that by the share of the copy that evicts cached blocks
+    # Each sequence running there slows the steps that prefill this prompt, in prefill-token
+    # equivalents: ~6 on an A10G and ~11 on an H100 for an 8B model (step cost per decoding sequence,
+    # including its KV reads, x the ~2-3 steps a first token spans, x prefill tokens per second).
+    decode_tokens_per_running: float = 8.0
+    footprint_weight: float = 0.0  # x this prompt's prefill x the cache's fill, for a prefix no one holds
+    room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
+    eps_s: float = 0.005
+    _models: dict[str, _UpstreamModel] = field(init=False, default_factory=dict)
+    _last: _Prediction = field(init=False, default_factory=_Prediction)
+    _placed: dict[int, tuple[InferenceRequest, str, Placement]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_tokens_per_s", "block_tokens", "max_blocks", "default_kv_tokens"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"'{name}' must be positive")
+        for name in (
+            "expected_output_tokens",
+            "evict_weight",
+            "duplicate_weight",
+            "decode_tokens_per_running",
+            "footprint_weight",
+            "room_penalty_s",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"'{name}' must be >= 0")
+
+    # -- the request's blocks -----------------------------------------------------------------------
+    def _predict(self, request: InferenceRequest) -> _Prediction:
+        """Hashed once per request: score() and on_pick() of the same decision share it."""
+        last = self._last
+        if last.request is request:
+            return last
+        ids = request.prompt_token_ids
+        if ids:
+            hashes = block_hashes(ids, self.block_tokens, self.max_blocks)
+            tokens = request.prompt_tokens or len(ids)
+        else:
+            text = request.prompt_text
+            hashes = prefix_hashes(text, self.block_tokens * BYTES_PER_TOKEN, self.max_blocks)
+            tokens = max(1, math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN))
+        self._last = _Prediction(request, hashes, tokens)
+        return self._last
+
+    def _model(self, upstream_id: str, load: Load | None) -> _UpstreamModel:
+        model = self._models.get(upstream_id)
+        if model is None:
+            model = self._models[upstream_id] = _UpstreamModel(
+                CacheModel(self.default_kv_tokens // self.block_tokens)
+            )
+        if load is not None:
+            if load.epoch != model.epoch:
+                model.cache.reset()
+                model.epoch = load.epoch
+                model.busy_until = 0.0
+            if load.kv_blocks_total and load.block_size:
+                model.cache.resize(max(1, load.kv_blocks_total * load.block_size // self.block_tokens))
+        return model
+
+    def _wait(self, model: _UpstreamModel, load: Load | None, now: float) -> float:
+        """Seconds of prefill queued ahead, with the engine's last word applied."""
+        sent = model.sent
+        while sent and sent[0][0] < now - 60.0:
+            sent.popleft()
+        if load is not None and load.published_at > model.snapshot_at:
+            model.snapshot_at = load.published_at
+            since = load.published_at
+            # The queue as it would be had it been empty at the snapshot, then fed what was sent since.
+            refill = since
+            for t, s in sent:
+                if t > since:
+                    refill = max(refill, t) + s
+            if load.num_waiting == 0:
+                model.busy_until = min(model.busy_until, refill)
+            else:
+                floor = refill + load.num_waiting * model.mean_prefill_s
+                model.busy_until = max(model.busy_until, floor)
+        return max(0.0, model.busy_until - now)
+
+    # -- scoring -------------------------------------------------------------------------------------
+    def score(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> Sequence[float]:
+        pred = self._predict(request)
+        now = state.now()
+        bt = self.block_tokens
+        matched: list[int] = []
+        models: list[_UpstreamModel] = []
+        loads: list[Load | None] = []
+        for u in candidates:
+            load = state.load(u.id)
+            model = self._model(u.id, load)
+            models.append(model)
+            loads.append(load)
+            matched.append(model.cache.matched(pred.hashes))
+        predicted: list[float] = []
+        pred.uncached = {}
+        new_output = math.ceil(self._output_tokens(request) / bt)
+        best_matched = max(matched)
+        for u, model, load, m in zip(candidates, models, loads, matched, strict=True):
+            rate = self.prefill_tokens_per_s * u.weight
+            uncached = pred.tokens - min(m * bt, pred.tokens - 1)
+            pred.uncached[u.id] = uncached
+            ttft = self._wait(model, load, now) + uncached / rate
+            if load is not None:
+                running = load.num_running + load.num_waiting + state.pending(u.id)
+            else:
+                running = state.count(u.id)
+            ttft += self.decode_tokens_per_running * running / rate
+            cache = model.cache
+            new_blocks = len(pred.hashes) - m + new_output
+            if new_blocks > cache.capacity_blocks - cache.pinned_blocks:
+                ttft += self.room_penalty_s
+            over = max(0, cache.used_blocks + new_blocks - cache.capacity_blocks)
+            evicted = min(over, cache.used_blocks - cache.pinned_blocks)
+            ttft += self.evict_weight * evicted * bt / rate
+            if best_matched > m:
+                # A copy of a prefix another candidate holds costs only where the cache has no room
+                # for it (it evicts others, or waits for running requests to free blocks).
+                pressure = min(1.0, over / new_blocks) if self.duplicate_pressure else 1.0
+                ttft += self.duplicate_weight * (best_matched - m) * bt / rate * pressure
+            elif best_matched == 0 and self.footprint_weight:
+                ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
+            predicted.append(ttft)
+        best = min(predicted)
+        eps = self.eps_s
+        return [(best + eps) / (p + eps) for p in predicted]
+
+    def on_pick(self, request: InferenceRequest, upstream: Upstream, state: FleetState) -> None:
+        pred = self._predict(request)
+        now = state.now()
+        model = self._model(upstream.id, state.load(upstream.id))
+        uncached = pred.uncached.get(upstream.id)
+        if uncached is None:  # picked without scoring (a single candidate)
+            cached = model.cache.matched(pred.hashes) * self.block_tokens
+            uncached = pred.tokens - min(cached, pred.tokens - 1)
+        prefill_s = uncached / (self.prefill_tokens_per_s * upstream.weight)
+        model.busy_until = max(now, model.busy_until) + prefill_s
+        model.sent.append((now, prefill_s))
+        model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1
+        output_blocks = math.ceil(self._output_tokens(request) / self.block_tokens)
+        placement = model.cache.place(pred.hashes, output_blocks)
+        placed = self._placed
+        placed[id(request)] = (request, upstream.id, placement)
+        if len(placed) > MAX_TRACKED:  # finishes that never came (should not happen): drop the oldest
+            del placed[next(iter(placed))]
+
+    def _output_tokens(self, request: InferenceRequest) -> int:
+        if request.max_tokens is None:
+            return self.expected_output_tokens
+        return min(request.max_tokens, self.expected_output_tokens)
+
+    def on_finish(self, request: InferenceRequest, upstream: Upstream) -> None:
+        placed = self._placed.pop(id(request), None)
+        if placed is None:
+            return
+        model = self._models.get(placed[1])
+        if model is not None:
+            model.cache.release(placed[2])
