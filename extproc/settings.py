@@ -41,10 +41,17 @@ DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_ENDPOINT_METADATA_NAMESPACE = "envoy.lb"
 
-# Used when the config defines no profile. Prefix affinity dominates among candidates that are not
-# overloaded (it zeroes itself beyond that bound); load scorers decide the rest. Without live fleet
-# state, load() is None everywhere and the load part is least outstanding requests on own counts.
+# Used when the config defines no profile: the predicted time to first token on each candidate, from a
+# model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global
+# KV-usage cut-off: a busy engine that holds the prompt's prefix is often still the best place for it.
+# Chosen in the discrete-event mode over the robustness grid (docs/benchmarks.md).
 DEFAULT_PROFILE: dict[str, Any] = {
+    "scorers": [{"name": "predicted-ttft", "weight": 1.0}],
+    "picker": "max-score",
+}
+# The profile before predicted-ttft (text-block prefix affinity, bounded by queue length, plus load
+# scorers and the KV-usage cut-off), kept to compare against and for profiles that want it.
+AFFINITY_V1_PROFILE: dict[str, Any] = {
     "filters": ["saturation"],
     "scorers": [
         {"name": "prefix-affinity", "weight": 3.0},

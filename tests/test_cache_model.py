@@ -25,7 +25,9 @@ BS = 16
 
 
 def _agreement(workload: str, blocks: int, rate: float, **params: object) -> dict[str, float]:
-    profile = dataclasses.replace(PROFILES["a10g-llama3-8b"], num_gpu_blocks=blocks, max_model_len=blocks * BS)
+    profile = dataclasses.replace(
+        PROFILES["a10g-llama3-8b"], num_gpu_blocks=blocks, max_model_len=blocks * BS
+    )
     engine = EngineModel(profile)
     model = CacheModel(blocks)
     wl = make_workload(workload, rate=rate, count=300, seed=3, **params)

@@ -12,15 +12,13 @@ from extproc.config import ServiceConfig, config_from_dict, load_config
 from extproc.fleet import ClusterSpec, InFlight, Lease, Pool, RoutingMode, Upstream, pool_from_config
 from extproc.fleet.pool import WILDCARD, parse_endpoint
 from extproc.scheduling.plugins import (
-    KvCacheUsageScorer,
     LeastOutstandingScorer,
     MaxInflightFilter,
     MaxScorePicker,
-    QueueDepthScorer,
     SessionAffinityScorer,
     WeightedRandomPicker,
 )
-from extproc.scheduling.prefix import PrefixAffinityScorer
+from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.settings import DEFAULT_GRPC_MAX_MESSAGE_BYTES, ENV_CONFIG, ConfigError, HeaderNames
 
 ENVOY_DIR = Path(__file__).resolve().parent.parent / "envoy"
@@ -53,12 +51,7 @@ class TestConfigFromDict:
         assert cfg.headers == HeaderNames()
         assert cfg.pool.mode is RoutingMode.CLUSTER
         assert cfg.profile.name == "default"
-        assert [type(s) for s, _ in cfg.profile.scorers] == [
-            PrefixAffinityScorer,
-            QueueDepthScorer,
-            KvCacheUsageScorer,
-            LeastOutstandingScorer,
-        ]
+        assert [type(s) for s, _ in cfg.profile.scorers] == [PredictedTtftScorer]
         assert isinstance(cfg.profile.picker, MaxScorePicker)
 
     def test_cluster_routing_happy_path(self) -> None:
@@ -340,13 +333,10 @@ class TestLoadConfig:
         assert cfg.max_body_bytes == 16 * MIB
         assert cfg.grpc_max_message_bytes >= cfg.max_body_bytes + MIB
         assert cfg.profile.name == "default"
-        assert [(type(s), w) for s, w in cfg.profile.scorers] == [
-            (PrefixAffinityScorer, 3.0),
-            (QueueDepthScorer, 1.0),
-            (KvCacheUsageScorer, 0.5),
-            (LeastOutstandingScorer, 0.5),
-            (SessionAffinityScorer, 0.0),
-        ]
+        assert [(type(s), w) for s, w in cfg.profile.scorers] == [(PredictedTtftScorer, 1.0)]
+        assert cfg.profile.filters == ()  # no global KV-usage cut-off
+        scorer = cfg.profile.scorers[0][0]
+        assert isinstance(scorer, PredictedTtftScorer) and scorer.prefill_tokens_per_s == 2400
         assert cfg.fleet is not None and cfg.fleet.prefix == "llm-extproc:default"
 
     def test_shipped_endpoint_config(self, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from gateway_stack import MODEL, Stack, wait_until
 
-from extproc.lab.stack import ENVOY_DIR
 from extproc.lab.engines import EngineGroup
+from extproc.lab.stack import ENVOY_DIR
 
 pytestmark = pytest.mark.envoy
 

@@ -12,8 +12,8 @@ import orjson
 import pytest
 from gateway_stack import MODEL, Stack, wait_until
 
-from extproc.lab.stack import body_mode_edit
 from extproc.lab.engines import EngineGroup
+from extproc.lab.stack import body_mode_edit
 
 pytestmark = pytest.mark.envoy
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.settings import RedisSettings
 from extproc.fleet.snapshots import decode
+from extproc.lab.engines import SimEngine
 from extproc.publishers.engines import EngineLoad
 from extproc.publishers.publisher import (
     InstanceSpec,
@@ -24,7 +24,7 @@ from extproc.publishers.publisher import (
     instance_from_dict,
     load_publisher_config,
 )
-from extproc.lab.engines import SimEngine
+from extproc.settings import RedisSettings
 
 SPEC = InstanceSpec(cluster="gpu-a", address="10.0.0.5:8000", models=("llama",), capacity_weight=2.0)
 

@@ -23,7 +23,6 @@ from extproc.scheduling import (
     register,
     registered,
 )
-from extproc.settings import DEFAULT_PROFILE
 from extproc.scheduling.plugins import (
     KvCacheUsageScorer,
     LeastOutstandingScorer,
@@ -34,7 +33,9 @@ from extproc.scheduling.plugins import (
     SessionAffinityScorer,
     WeightedRandomPicker,
 )
+from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.scheduling.prefix import PrefixAffinityScorer
+from extproc.settings import AFFINITY_V1_PROFILE, DEFAULT_PROFILE
 
 
 def ups(n: int, weight: float = 1.0, prefix: str = "u") -> list[Upstream]:
@@ -552,6 +553,11 @@ class TestProfileFromConfig:
 
     def test_default_profile(self) -> None:
         profile = profile_from_config("default", DEFAULT_PROFILE)
+        assert [(type(s), w) for s, w in profile.scorers] == [(PredictedTtftScorer, 1.0)]
+        assert profile.filters == ()
+
+    def test_affinity_v1_profile(self) -> None:
+        profile = profile_from_config("v1", AFFINITY_V1_PROFILE)
         assert [(type(s), w) for s, w in profile.scorers] == [
             (PrefixAffinityScorer, 3.0),
             (QueueDepthScorer, 1.0),

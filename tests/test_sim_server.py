@@ -9,10 +9,10 @@ import aiohttp
 import orjson
 import pytest
 
-from extproc.publishers.engines import normalize
 from extproc.lab.engines import SimEngine
 from extproc.lab.engines.profiles import PROFILES
 from extproc.lab.engines.tokens import chat_to_tokens
+from extproc.publishers.engines import normalize
 
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 60
 

@@ -132,7 +132,9 @@ async def test_immediate_error_has_json_body_and_content_type() -> None:
     assert {h.header.key: h.header.raw_value for h in ir.headers.set_headers}[
         "content-type"
     ] == b"application/json"
-    assert await s.on_message(body_msg(b"more")) == []  # after an immediate response, nothing else is answered
+    assert (
+        await s.on_message(body_msg(b"more")) == []
+    )  # after an immediate response, nothing else is answered
 
 
 async def test_content_length_over_limit_rejected_at_headers() -> None:

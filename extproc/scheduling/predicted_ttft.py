@@ -71,22 +71,27 @@ class _Prediction:
 @dataclass(slots=True)
 class PredictedTtftScorer:
     # Prefill throughput of one unit of capacity weight, tokens/s, until engines publish a measured one.
-    # 8B-class model: ~34k on an H100, ~2.4k on an A10G (docs/simulator.md); relative values matter
-    # most, but the virtual queue drains at this rate.
-    prefill_tokens_per_s: float = 10_000.0
+    # 8B-class model: ~34k on an H100, ~2.4k on an A10G (docs/simulator.md). Err low: the virtual queue
+    # drains at this rate, and too fast a drain piles requests onto prefix holders (docs/tuning.md).
+    prefill_tokens_per_s: float = 2_000.0
     block_tokens: int = 64  # tokens per index block (a multiple of the engine's block size)
     max_blocks: int = 2048  # prompts are matched on their first 128k tokens
     # Used before a snapshot says how much KV an upstream has: ~ an 8B model on an 80 GB GPU.
     default_kv_tokens: int = 400_000
     expected_output_tokens: int = 200  # KV room held for the output (capped by max_tokens)
     evict_weight: float = 0.5  # x the prefill seconds of the cached blocks a placement evicts
-    duplicate_weight: float = 0.0  # x the prefill seconds of blocks another candidate has cached
+    duplicate_weight: float = 1.0  # x the prefill seconds of blocks another candidate has cached
     duplicate_pressure: bool = True  # scale that by the share of the copy that evicts cached blocks
+    # A copy of a prefix another candidate holds, made where the cache is still empty, is an
+    # investment: later requests of that prefix can go there too. Charge only (1 - this x the share of
+    # the cache left empty) of its prefill, so a hot prefix spreads onto idle engines instead of
+    # queueing on its first holders.
+    copy_discount: float = 0.9
     # Each sequence running there slows the steps that prefill this prompt, in prefill-token
     # equivalents: ~6 on an A10G and ~11 on an H100 for an 8B model (step cost per decoding sequence,
     # including its KV reads, x the ~2-3 steps a first token spans, x prefill tokens per second).
     decode_tokens_per_running: float = 8.0
-    footprint_weight: float = 0.0  # x this prompt's prefill x the cache's fill, for a prefix no one holds
+    footprint_weight: float = 0.25  # x this prompt's prefill x the cache's fill, for a prefix no one holds
     room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
     eps_s: float = 0.005
     _models: dict[str, _UpstreamModel] = field(init=False, default_factory=dict)
@@ -97,6 +102,8 @@ class PredictedTtftScorer:
         for name in ("prefill_tokens_per_s", "block_tokens", "max_blocks", "default_kv_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"'{name}' must be positive")
+        if not 0.0 <= self.copy_discount <= 1.0:
+            raise ValueError("'copy_discount' must be in [0, 1]")
         for name in (
             "expected_output_tokens",
             "evict_weight",
@@ -201,7 +208,11 @@ class PredictedTtftScorer:
                 # A copy of a prefix another candidate holds costs only where the cache has no room
                 # for it (it evicts others, or waits for running requests to free blocks).
                 pressure = min(1.0, over / new_blocks) if self.duplicate_pressure else 1.0
-                ttft += self.duplicate_weight * (best_matched - m) * bt / rate * pressure
+                copy_s = (best_matched - m) * bt / rate
+                ttft += copy_s * self.duplicate_weight * pressure
+                if self.copy_discount and not over:
+                    empty = max(0.0, 1.0 - (cache.used_blocks + new_blocks) / cache.capacity_blocks)
+                    ttft -= copy_s * self.copy_discount * empty
             elif best_matched == 0 and self.footprint_weight:
                 ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
             predicted.append(ttft)

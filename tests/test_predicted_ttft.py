@@ -1,0 +1,155 @@
+"""predicted-ttft: the default scorer. Decisions on small hand-made fleets, through the real
+lifecycle and fleet view, with snapshots built as the publisher writes them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import orjson
+import pytest
+from builders import NOW, instance_state
+
+from extproc.config import config_from_dict
+from extproc.fleet import FleetView, InFlight, SchedulingState, Upstream
+from extproc.fleet import snapshot_pb2 as spb
+from extproc.lifecycle import RequestLifecycle
+from extproc.openai import Api, InferenceRequest
+from extproc.openai.parse import parse_head
+from extproc.scheduling.predicted_ttft import PredictedTtftScorer
+from extproc.settings import ConfigError
+from extproc.telemetry import Metrics
+
+HEAD = parse_head(
+    {":method": "POST", ":path": "/v1/chat/completions"},
+    session_header="s",
+    user_header="u",
+    priority_header="p",
+)
+TENANTS = {name: f"Tenant {name} system prompt, words of its own. " * 120 for name in "ABCDEFGH"}  # ~1.4k tok
+
+
+def lifecycle(n: int, view: FleetView | None = None, **params: Any) -> RequestLifecycle:
+    cfg = config_from_dict(
+        {
+            "pool": {"clusters": [{"name": f"c{i}", "models": ["m"]} for i in range(n)]},
+            "metrics_listen": None,
+            "scheduling": {
+                "profiles": {
+                    "default": {
+                        "scorers": [{"name": "predicted-ttft", "params": params}],
+                        "picker": {"name": "max-score", "params": {"seed": 1}},
+                    }
+                }
+            },
+        }
+    )
+    return RequestLifecycle(cfg, Metrics(["m"], [f"c{i}" for i in range(n)]), view)
+
+
+def body(system: str, q: int) -> bytes:
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": f"question {q}"}]
+    return orjson.dumps({"model": "m", "messages": messages, "max_tokens": 100})
+
+
+def test_tenants_stick_while_load_is_even() -> None:
+    lc = lifecycle(4)
+    homes: dict[str, set[str]] = {t: set() for t in TENANTS}
+    for q in range(6):
+        for t, system in TENANTS.items():
+            d = lc.route(HEAD, body(system, q))
+            homes[t].add(d.upstream.cluster)
+            lc.finish(d, "response_end")
+    assert all(len(h) == 1 for h in homes.values()), homes
+    # New prefixes were spread (emptiest cache first), not piled on one upstream.
+    assert len({next(iter(h)) for h in homes.values()}) == 4
+
+
+def test_a_prompt_shared_by_all_traffic_does_not_collapse_the_fleet() -> None:
+    lc = lifecycle(4)
+    held = [lc.route(HEAD, body(TENANTS["A"], q)) for q in range(60)]  # a burst, all in flight
+    spread = Counter(d.upstream.cluster for d in held)
+    assert len(spread) == 4 and max(spread.values()) <= 30, spread
+
+
+def test_the_holder_wins_until_its_queue_costs_more_than_a_miss() -> None:
+    lc = lifecycle(2, prefill_tokens_per_s=2000)
+    first = lc.route(HEAD, body(TENANTS["A"], 0))
+    lc.finish(first, "response_end")
+    home = first.upstream.cluster
+    # Fill the other upstream's cache with another tenant, so a copy there would evict it.
+    other = lc.route(HEAD, body(TENANTS["B"], 0))
+    assert other.upstream.cluster != home
+    lc.finish(other, "response_end")
+    again = lc.route(HEAD, body(TENANTS["A"], 1))
+    assert again.upstream.cluster == home  # its prefix is there: ~1.4k tokens not to prefill
+
+
+def snap(cluster: str, **kw: Any) -> Any:
+    return instance_state(f"{cluster}/0", cluster, None, **kw)
+
+
+def test_capacity_comes_from_snapshots_and_a_restart_resets_the_model() -> None:
+    clock = {"t": NOW + 1}
+    cfg = config_from_dict({"pool": {"clusters": [{"name": "c0", "models": ["m"]}]}, "metrics_listen": None})
+    view = FleetView(cfg.pool, clock=lambda: clock["t"])
+    lc = RequestLifecycle(cfg, Metrics(["m"], ["c0"]), view)
+    view.own_count = lc.inflight.count
+    view.apply(snap("c0", kv_blocks_total=200, block_size=16, sequence=1))
+    view.rebuild()
+    scorer = lc.config.profile.scorers[0][0]
+    assert isinstance(scorer, PredictedTtftScorer)
+    d = lc.route(HEAD, body(TENANTS["A"], 0))
+    lc.finish(d, "response_end")
+    model = scorer._models["c0"]
+    assert model.cache.capacity_blocks == 200 * 16 // scorer.block_tokens  # 50 index blocks
+    assert model.cache.used_blocks > 0
+    # The engine goes through WARMING_UP (a restart): what the model learned is gone.
+    view.apply(snap("c0", kv_blocks_total=200, block_size=16, sequence=2, readiness=spb.WARMING_UP))
+    view.apply(snap("c0", kv_blocks_total=200, block_size=16, sequence=3))
+    view.rebuild()
+    assert view.load("c0") is not None and view.load("c0").epoch == 2  # type: ignore[union-attr]
+    lc.route(HEAD, body(TENANTS["B"], 0))
+    assert scorer._models["c0"].cache.matched(scorer._predict(_req(TENANTS["A"])).hashes) == 0
+
+
+def _req(system: str) -> InferenceRequest:
+    text = f"{system}\nquestion 0"
+    return InferenceRequest(Api.CHAT, "m", False, None, text, None, None, None, 0, len(text))
+
+
+def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
+    scorer = PredictedTtftScorer(prefill_tokens_per_s=1000)
+    inflight = InFlight()
+    clock = {"t": 100.0}
+
+    class State(SchedulingState):
+        def now(self) -> float:
+            return clock["t"]
+
+    cfg = config_from_dict({"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "metrics_listen": None})
+    view = FleetView(cfg.pool, clock=lambda: clock["t"])
+    state = State(inflight, view)
+    a = Upstream("a", "a", None, 1.0)
+    for q in range(5):  # 5 x ~1.4k-token prompts: ~7 s of predicted prefill
+        r = _req(TENANTS["ABCDE"[q]])
+        scorer.score(r, [a], state)
+        scorer.on_pick(r, a, state)
+    assert scorer._models["a"].busy_until - clock["t"] > 5
+    # One second later the engine says nothing waits: only what was sent after its snapshot can.
+    clock["t"] = 101.0
+    view.apply(
+        instance_state("a/0", "a", None, num_waiting=0, published_at=100.9, expires_at=110.0, sequence=9)
+    )
+    view.rebuild()
+    scorer.score(_req(TENANTS["F"]), [a], state)
+    assert scorer._models["a"].busy_until <= 101.0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"prefill_tokens_per_s": 0}, {"block_tokens": -1}, {"evict_weight": -1}, {"copy_discount": 2}],
+)
+def test_bad_parameters_are_config_errors(params: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="predicted-ttft"):
+        lifecycle(2, **params)
