@@ -95,9 +95,17 @@ def test_check_config_cli(service_file: str) -> None:
     assert out.stdout.startswith("ok:")
 
 
-def test_check_config_cli_reports_errors(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("pool: {clusters: [{name: a, models: []}]}\n", "models"),
+        ("listen: notanaddress\npool: {clusters: [{name: a, models: [m]}]}\n", "'listen' must be host:port"),
+        ("pool: {clusters: [{name: a, modles: [m]}]}\n", "unknown keys ['modles']"),
+    ],
+)
+def test_check_config_cli_reports_errors(tmp_path, text: str, expected: str) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("pool: {clusters: [{name: a, models: []}]}\n")
+    bad.write_text(text)
     out = subprocess.run(
         [sys.executable, "-m", "extproc.cli", "check-config", "--config", str(bad)],
         capture_output=True,
@@ -105,4 +113,4 @@ def test_check_config_cli_reports_errors(tmp_path) -> None:
         timeout=60,
     )
     assert out.returncode == 2
-    assert "models" in out.stderr
+    assert expected in out.stderr
