@@ -1,7 +1,8 @@
 """The request lifecycle: parse -> admit -> schedule -> record, then finish (or reject). The stream
 layer does the respond step and tells the lifecycle when the request ends.
 
-Everything here is synchronous and in-memory: no network I/O happens on the request path.
+Everything here is in-memory: no network I/O happens on the request path. `route()` runs on the
+calling thread; `route_async()` awaits only to tokenize a long prompt on a worker thread.
 """
 
 from __future__ import annotations
