@@ -15,12 +15,19 @@ from extproc.tokenization.cache import CacheStats, SegmentCache
 from extproc.tokenization.chat_template import ChatTemplateError
 from extproc.tokenization.config import DEFAULT_BYTES_PER_TOKEN, TokenizerSpec
 from extproc.tokenization.hashing import block_hashes
-from extproc.tokenization.registry import TokenizedPrompt, TokenizerRegistry, estimate_tokens, from_config
+from extproc.tokenization.registry import (
+    PromptInputs,
+    TokenizedPrompt,
+    TokenizerRegistry,
+    estimate_tokens,
+    from_config,
+)
 
 __all__ = [
     "DEFAULT_BYTES_PER_TOKEN",
     "CacheStats",
     "ChatTemplateError",
+    "PromptInputs",
     "SegmentCache",
     "TokenizedPrompt",
     "TokenizerRegistry",

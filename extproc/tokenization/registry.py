@@ -21,7 +21,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 from extproc.tokenization.backends import LoadedTokenizer
 from extproc.tokenization.cache import CacheKey, CacheStats, SegmentCache
@@ -44,6 +44,19 @@ def estimate_tokens(text: str, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN)
     character at ~1-1.5 tokens a character, would be undercounted 3-4x by characters / 4."""
     size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
     return math.ceil(size / bytes_per_token)
+
+
+class PromptInputs(TypedDict, total=False):
+    """What to tokenize: exactly one of `prompt` (completions) or `messages` (chat, rendered with the
+    model's template, with `tools` and `template_kwargs` passed to it). `add_special_tokens` defaults as
+    in vLLM: True for a prompt (BOS), False for messages (the template writes its own)."""
+
+    prompt: str
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None
+    add_generation_prompt: bool
+    add_special_tokens: bool | None
+    template_kwargs: Mapping[str, Any] | None
 
 
 @dataclass(slots=True)
@@ -187,47 +200,22 @@ class TokenizerRegistry:
             template_kwargs=template_kwargs,
         )
 
-    def tokenize(
-        self,
-        model: str | None,
-        *,
-        prompt: str | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> TokenizedPrompt:
-        """Tokenize a completions `prompt` or chat `messages`, on the calling thread.
-        `add_special_tokens` defaults as in vLLM: True for a prompt (BOS), False for messages (the
-        template writes its own). Raises ChatTemplateError when the template rejects the messages."""
-        tok, text, add_special = self._prepare(
-            model, prompt, messages, tools, add_generation_prompt, add_special_tokens, template_kwargs
-        )
+    def tokenize(self, model: str | None, **inputs: Unpack[PromptInputs]) -> TokenizedPrompt:
+        """Tokenize a completions `prompt` or chat `messages` (see PromptInputs), on the calling
+        thread. Raises ChatTemplateError when the template rejects the messages."""
+        tok, text, add_special = self._prepare(model, inputs)
         if tok.encoder is None:
             return self._estimate(model, tok, text)
         plan = self._plan(tok, text, add_special)
         return self._finish(model, plan, self._encode(plan), offloaded=False)
 
-    async def tokenize_async(
-        self,
-        model: str | None,
-        *,
-        prompt: str | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> TokenizedPrompt:
+    async def tokenize_async(self, model: str | None, **inputs: Unpack[PromptInputs]) -> TokenizedPrompt:
         """As tokenize(), for the event loop: encoding more than `offload_chars` of new text, and a
         first lazy load, run on the thread pool."""
         name = self.spec_name(model)
         if name not in self._loaded and name != BUILTIN_ESTIMATE:
             await asyncio.get_running_loop().run_in_executor(self._pool(), self._get, name)
-        tok, text, add_special = self._prepare(
-            model, prompt, messages, tools, add_generation_prompt, add_special_tokens, template_kwargs
-        )
+        tok, text, add_special = self._prepare(model, inputs)
         if tok.encoder is None:
             return self._estimate(model, tok, text)
         plan = self._plan(tok, text, add_special)
@@ -238,16 +226,10 @@ class TokenizerRegistry:
 
     # --- steps -------------------------------------------------------------------------------------
 
-    def _prepare(
-        self,
-        model: str | None,
-        prompt: str | None,
-        messages: Sequence[Mapping[str, Any]] | None,
-        tools: Sequence[Mapping[str, Any]] | None,
-        add_generation_prompt: bool,
-        add_special_tokens: bool | None,
-        template_kwargs: Mapping[str, Any] | None,
-    ) -> tuple[LoadedTokenizer, str, bool]:
+    def _prepare(self, model: str | None, inputs: PromptInputs) -> tuple[LoadedTokenizer, str, bool]:
+        prompt, messages = inputs.get("prompt"), inputs.get("messages")
+        tools = inputs.get("tools")
+        add_special_tokens = inputs.get("add_special_tokens")
         if (prompt is None) == (messages is None):
             raise ValueError("pass exactly one of prompt or messages")
         tok = self._get(self.spec_name(model))
@@ -255,8 +237,8 @@ class TokenizerRegistry:
             text = tok.select_template(tools).render(
                 messages,
                 tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                template_kwargs=template_kwargs,
+                add_generation_prompt=inputs.get("add_generation_prompt", True),
+                template_kwargs=inputs.get("template_kwargs"),
             )
             return tok, text, bool(add_special_tokens)
         assert prompt is not None
