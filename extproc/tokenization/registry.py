@@ -218,7 +218,11 @@ class TokenizerRegistry:
         tok, text, add_special = self._prepare(model, inputs)
         if tok.encoder is None:
             return self._estimate(model, tok, text)
-        plan = self._plan(tok, text, add_special)
+        keyed = None
+        if len(text) > self.offload_chars:  # hashing 200 KB into cache keys takes milliseconds too
+            loop = asyncio.get_running_loop()
+            keyed = await loop.run_in_executor(self._pool(), self._segment_keys, tok, text)
+        plan = self._plan(tok, text, add_special, keyed)
         if plan.missing_chars > self.offload_chars:
             encoded = await asyncio.get_running_loop().run_in_executor(self._pool(), self._encode, plan)
             return self._finish(model, plan, encoded, offloaded=True)
@@ -248,18 +252,29 @@ class TokenizerRegistry:
         count = estimate_tokens(text, tok.spec.bytes_per_token)
         return TokenizedPrompt(model or "", tok.name, "estimate", count, array("I"), text)
 
-    def _plan(self, tok: LoadedTokenizer, text: str, add_special_tokens: bool) -> _Plan:
+    def _plan(
+        self,
+        tok: LoadedTokenizer,
+        text: str,
+        add_special_tokens: bool,
+        keyed: tuple[list[str], list[tuple[str, bytes]]] | None = None,
+    ) -> _Plan:
         if add_special_tokens and not tok.wraps:
             # The post-processor is not a fixed prefix/suffix: encode whole, uncached.
             return _Plan(tok, text, True, [], [], {})
+        segments, keys = keyed or self._segment_keys(tok, text)
+        found = self.cache.get_many(keys)
+        missing = {key: seg for key, seg, ids in zip(keys, segments, found, strict=True) if ids is None}
+        return _Plan(tok, text, add_special_tokens, keys, found, missing)
+
+    def _segment_keys(self, tok: LoadedTokenizer, text: str) -> tuple[list[str], list[tuple[str, bytes]]]:
+        """The prompt's segments and their cache keys: pure, so a long text's run on the pool."""
         segments = tok.segments(text, self.min_segment_chars)
         name = tok.name
         keys = [
             (name, blake2b(s.encode("utf-8", "surrogatepass"), digest_size=16).digest()) for s in segments
         ]
-        found = self.cache.get_many(keys)
-        missing = {key: seg for key, seg, ids in zip(keys, segments, found, strict=True) if ids is None}
-        return _Plan(tok, text, add_special_tokens, keys, found, missing)
+        return segments, keys
 
     @staticmethod
     def _encode(plan: _Plan) -> list[array[int]]:
