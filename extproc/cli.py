@@ -136,6 +136,28 @@ def _bench(args: argparse.Namespace) -> int:
     from extproc.lab.bench.scenarios import Target, run_bench, run_live_bench
 
     slo = Slo(args.slo_ttft, args.slo_tpot)
+    if args.grid:
+        if not args.local:
+            raise ValueError("--grid runs on local simulated engines: add --local")
+        from extproc.lab.bench.grid_live import run_live_grid
+        from extproc.lab.discrete_event.grid import calibrate
+
+        count_scale = args.count_scale
+
+        def calibrate_cell(cell: Any) -> Any:
+            return calibrate(cell, seed=args.seed, count_scale=count_scale)
+
+        results = _run(
+            run_live_grid(
+                args.grid,
+                calibrate=calibrate_cell,
+                policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+                cells=[c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else None,
+                time_scale=args.time_scale or 2.0,
+                out_dir=Path(args.out if args.out != "out/bench" else "out/grid-live"),
+            )
+        )
+        return 0 if all(r.targets["errors"] != "MISS" for r in results) else 1
     if args.local:
         reports = _run(
             run_live_bench(
@@ -147,7 +169,7 @@ def _bench(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 slo=slo,
                 warmup=args.warmup,
-                time_scale=args.time_scale,
+                time_scale=args.time_scale or 1.0,
                 params=_params(args.param),
                 out_dir=Path(args.out),
             )
@@ -178,10 +200,28 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if all(r.errors == 0 for r in reports) else 1
 
 
+SIMULATE_POLICIES = ("llm-extproc", "round-robin", "least-request", "exact-ttft", "clairvoyant-affinity")
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from extproc.lab.bench.report import Slo
-    from extproc.lab.discrete_event.simulation import run_simulations
+    from extproc.lab.discrete_event.simulation import POLICIES, run_simulations
 
+    if args.policies is None:  # a grid runs every policy; one workload, the original five
+        args.policies = ",".join(POLICIES if args.grid else SIMULATE_POLICIES)
+    if args.grid:
+        from extproc.lab.discrete_event.grid import run_des_grid
+
+        results = run_des_grid(
+            args.grid,
+            policies=[p.strip() for p in args.policies.split(",") if p.strip()],
+            cells=[c.strip() for c in args.cells.split(",") if c.strip()] if args.cells else None,
+            seed=args.seed,
+            count_scale=args.count_scale,
+            publish_interval_s=args.publish_interval,
+            out_dir=Path(args.out if args.out != "out/simulate" else "out/grid"),
+        )
+        return 0 if all(r.targets["errors"] != "MISS" for r in results) else 1
     return run_simulations(
         workload=args.workload,
         policies=[p.strip() for p in args.policies.split(",") if p.strip()],
@@ -195,6 +235,12 @@ def _simulate(args: argparse.Namespace) -> int:
         params=_params(args.param),
         out_dir=Path(args.out),
     )
+
+
+def _tokenization_bench(args: argparse.Namespace) -> int:
+    from extproc.lab.bench.tokenization import run_tokenization_bench
+
+    return _run(run_tokenization_bench(Path(args.out), runs=args.runs))
 
 
 def _fleet_bench(args: argparse.Namespace) -> int:
@@ -294,15 +340,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--policies",
-        default=",".join(("llm-extproc", "envoy-round-robin", "envoy-least-request", "sglang-cache-aware")),
-        help="with --local",
+        default=",".join(
+            (
+                "llm-extproc",
+                "envoy-round-robin",
+                "envoy-least-request",
+                "sglang-cache-aware",
+                "vllm-router-cache-aware",
+            )
+        ),
+        help="with --local (a peer router that is not installed is reported as skipped)",
+    )
+    p.add_argument(
+        "--grid",
+        help="with --local: run the live cells of a robustness grid (smoke | default) instead of one "
+        "workload; writes grid-live-NAME.json and .md under --out (default out/grid-live)",
+    )
+    p.add_argument("--cells", help="with --grid: only these cells of the grid (comma list of names)")
+    p.add_argument(
+        "--count-scale",
+        type=float,
+        default=0.25,
+        help="with --grid: multiply every cell's request count (default 0.25: live runs cost real time)",
     )
     p.add_argument(
         "--profiles",
         default="a10g-llama3-8b,a10g-llama3-8b,a10g-llama3-8b,a10g-llama3-8b",
         help="with --local: one simulated engine per GPU profile",
     )
-    p.add_argument("--time-scale", type=float, default=1.0, help="with --local: engine speed-up")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        help="with --local: engine speed-up (default 1; with --grid 2, arrivals sped up alike and "
+        "latencies reported in engine time)",
+    )
     p.add_argument("--param", action="append", help="workload parameter KEY=VALUE, e.g. tenants=96")
     p.add_argument("--rate", type=float, default=5.0, help="mean arrival rate, requests/s (open loop)")
     p.add_argument("--count", type=int, default=200, help="timed requests (after the warm-up)")
@@ -319,7 +390,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", default="shared-prefix")
     p.add_argument(
-        "--policies", default="llm-extproc,round-robin,least-request,exact-ttft,clairvoyant-affinity"
+        "--policies",
+        help=f"comma list (default: {','.join(SIMULATE_POLICIES)}; with --grid every one of "
+        "those and sglang-cache-aware, vllm-router-cache-aware)",
+    )
+    p.add_argument(
+        "--grid",
+        help="run a robustness grid instead of one workload: smoke | default | full "
+        "(cells, capacity and targets: docs/benchmarks.md); writes grid-NAME.json and .md under --out",
+    )
+    p.add_argument("--cells", help="with --grid: only these cells (comma list of names)")
+    p.add_argument(
+        "--count-scale", type=float, default=1.0, help="with --grid: multiply every cell's request count"
     )
     p.add_argument("--profiles", default="a10g-llama3-8b", help="GPU profile(s), cycled over the engines")
     p.add_argument("--engines", type=int, default=16)
@@ -330,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--publish-interval", type=float, default=1.0, help="seconds between fleet snapshots")
     p.add_argument("--slo-ttft", type=float, default=1.0)
     p.add_argument("--slo-tpot", type=float, default=0.1)
-    p.add_argument("--out", default="out/simulate")
+    p.add_argument("--out", default="out/simulate", help="output folder (with --grid: default out/grid)")
     p.set_defaults(func=_simulate)
 
     p = sub.add_parser("bench-overhead", help="latency/throughput through Envoy with vs without llm-extproc")
@@ -339,6 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="BUFFERED,FULL_DUPLEX_STREAMED", help="ext_proc request body modes")
     p.add_argument("--out", default="out/overhead")
     p.set_defaults(func=_overhead)
+
+    p = sub.add_parser(
+        "bench-tokenization",
+        help="what tokenization adds to a routing decision: tok/s, latency, multi-turn cache, loop stalls",
+    )
+    p.add_argument("--runs", type=int, default=20, help="prompts per size")
+    p.add_argument("--out", default="out/tokenization")
+    p.set_defaults(func=_tokenization_bench)
 
     p = sub.add_parser("bench-fleet", help="snapshot ingestion rate and decision latency vs fleet size")
     p.add_argument("--out", default="out/fleet")

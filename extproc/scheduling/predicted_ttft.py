@@ -82,10 +82,10 @@ class PredictedTtftScorer:
     evict_weight: float = 0.5  # x the prefill seconds of the cached blocks a placement evicts
     duplicate_weight: float = 1.0  # x the prefill seconds of blocks another candidate has cached
     duplicate_pressure: bool = True  # scale that by the share of the copy that evicts cached blocks
-    # A copy of a prefix another candidate holds, made where the cache is still empty, is an
-    # investment: later requests of that prefix can go there too. Charge only (1 - this x the share of
-    # the cache left empty) of its prefill, so a hot prefix spreads onto idle engines instead of
-    # queueing on its first holders.
+    # A copy of a prefix another candidate holds, made where it evicts nothing and onto an engine far
+    # less busy than the holder, is an investment: later requests of that prefix can go there too.
+    # Charge only (1 - this x (1 - its load / the holder's)) of its prefill, so a hot prefix spreads
+    # onto idle engines instead of queueing on its first holders.
     copy_discount: float = 0.9
     # Each sequence running there slows the steps that prefill this prompt, in prefill-token
     # equivalents: ~6 on an A10G and ~11 on an H100 for an 8B model (step cost per decoding sequence,
@@ -187,15 +187,14 @@ class PredictedTtftScorer:
         pred.uncached = {}
         new_output = math.ceil(self._output_tokens(request) / bt)
         best_matched = max(matched)
-        for u, model, load, m in zip(candidates, models, loads, matched, strict=True):
+        running_all = [self._running(u, load, state) for u, load in zip(candidates, loads, strict=True)]
+        # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
+        holder_running = min(r for r, m in zip(running_all, matched, strict=True) if m == best_matched)
+        for u, model, load, m, running in zip(candidates, models, loads, matched, running_all, strict=True):
             rate = self.prefill_tokens_per_s * u.weight
             uncached = pred.tokens - min(m * bt, pred.tokens - 1)
             pred.uncached[u.id] = uncached
             ttft = self._wait(model, load, now) + uncached / rate
-            if load is not None:
-                running = load.num_running + load.num_waiting + state.pending(u.id)
-            else:
-                running = state.count(u.id)
             ttft += self.decode_tokens_per_running * running / rate
             cache = model.cache
             new_blocks = len(pred.hashes) - m + new_output
@@ -210,9 +209,9 @@ class PredictedTtftScorer:
                 pressure = min(1.0, over / new_blocks) if self.duplicate_pressure else 1.0
                 copy_s = (best_matched - m) * bt / rate
                 ttft += copy_s * self.duplicate_weight * pressure
-                if self.copy_discount and not over:
-                    empty = max(0.0, 1.0 - (cache.used_blocks + new_blocks) / cache.capacity_blocks)
-                    ttft -= copy_s * self.copy_discount * empty
+                if self.copy_discount and not over and holder_running > running:
+                    relief = 1.0 - (running + 1) / (holder_running + 1)
+                    ttft -= copy_s * self.copy_discount * relief
             elif best_matched == 0 and self.footprint_weight:
                 ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
             predicted.append(ttft)
@@ -238,6 +237,14 @@ class PredictedTtftScorer:
         placed[id(request)] = (request, upstream.id, placement)
         if len(placed) > MAX_TRACKED:  # finishes that never came (should not happen): drop the oldest
             del placed[next(iter(placed))]
+
+    @staticmethod
+    def _running(u: Upstream, load: Load | None, state: FleetState) -> int:
+        """Sequences at u: the engine's running + waiting and what was sent since (own count without
+        snapshots)."""
+        if load is not None:
+            return load.num_running + load.num_waiting + state.pending(u.id)
+        return state.count(u.id)
 
     def _output_tokens(self, request: InferenceRequest) -> int:
         if request.max_tokens is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from extproc.lab.bench.loadgen import closed_loop, open_loop
 from extproc.lab.bench.report import Report, RequestRecord, Slo, format_table, plot, summarize, write_json
 from extproc.lab.bench.workloads import make_workload
 from extproc.lab.engines import EngineGroup
+from extproc.lab.engines.profiles import GpuProfile
 from extproc.lab.stack import (
     ENVOY_DIR,
     EnvoyProcess,
@@ -281,7 +283,13 @@ async def run_bench(
     return reports
 
 
-LIVE_POLICIES = ("llm-extproc", "envoy-round-robin", "envoy-least-request", "sglang-cache-aware")
+LIVE_POLICIES = (
+    "llm-extproc",
+    "envoy-round-robin",
+    "envoy-least-request",
+    "sglang-cache-aware",
+    "vllm-router-cache-aware",
+)
 
 
 def _sglang_router() -> list[str] | None:
@@ -297,6 +305,40 @@ def _sglang_router() -> list[str] | None:
     if importlib.util.find_spec("sglang_router") is not None:
         return [sys.executable, "-m", "sglang_router.launch_router"]
     return None
+
+
+def _vllm_router() -> list[str] | None:
+    """The command that runs vllm-router (an optional peer, `pip install vllm-router`):
+    $LLM_EXTPROC_VLLM_ROUTER, else the `vllm-router` script next to this Python, else its launcher
+    module if importable."""
+    import importlib.util
+    import os
+    import shutil
+    import sys
+
+    command = os.environ.get("LLM_EXTPROC_VLLM_ROUTER")
+    if command:
+        return [command]
+    script = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or shutil.which("vllm-router")
+    if script:
+        return [script]
+    if importlib.util.find_spec("vllm_router") is not None:
+        return [sys.executable, "-m", "vllm_router.launch_router"]
+    return None
+
+
+PEER_ROUTERS = {
+    "sglang-cache-aware": ("sglang-router", _sglang_router),
+    "vllm-router-cache-aware": ("vllm-router", _vllm_router),
+}
+
+
+def peer_missing(policy: str) -> str | None:
+    """Why a live policy cannot run here (an optional peer that is not installed), or None."""
+    if policy not in PEER_ROUTERS:
+        return None
+    package, find = PEER_ROUTERS[policy]
+    return None if find() is not None else f"{package} not installed (pip install {package})"
 
 
 async def run_live_bench(
@@ -336,7 +378,7 @@ async def run_live_bench(
         try:
             url = await _start_target(policy, group, out_dir / policy, stops, subprocess, wait_port)
             if url is None:
-                print(f"  {policy}: skipped (sglang-router not installed; pip install sglang-router)")
+                print(f"  {policy}: skipped ({peer_missing(policy)})")
                 continue
             records, wall = await open_loop(
                 url + "/v1/chat/completions", requests, progress=f"{policy} ({workload})"
@@ -402,11 +444,12 @@ async def _start_target(
         base = Baselines(workdir, ports, [lb])
         stops.append(base.stop)
         return base.start()[0].url
-    command = _sglang_router()
+    package, find = PEER_ROUTERS[policy]
+    command = find()
     if command is None:
         return None
     port, metrics_port = free_port(), free_port()
-    log = (workdir / "sglang-router.log").open("ab")
+    log = (workdir / f"{package}.log").open("ab")
     proc = subprocess.Popen(
         [
             *command,
@@ -429,3 +472,63 @@ async def _start_target(
     wait_port("127.0.0.1", port, 30)
     await asyncio.sleep(3.0)  # workers registered and health-checked
     return f"http://127.0.0.1:{port}"
+
+
+async def run_live_requests(
+    policy: str,
+    requests: list[tuple[float, dict[str, Any], str]],
+    profiles: list[GpuProfile],
+    *,
+    time_scale: float,
+    workdir: Path,
+) -> tuple[list[RequestRecord], float] | None:
+    """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
+    time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
+    virtual seconds (so they compare with the discrete-event mode; a router's own real overhead is
+    magnified by `time_scale` in the process). Returns (records, virtual duration), or None when the
+    policy's peer is not installed."""
+    import subprocess
+
+    from extproc.lab.stack import wait_port
+
+    if policy not in LIVE_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(LIVE_POLICIES)}")
+    if peer_missing(policy):
+        return None
+    _quiet_http2_probes()
+    group = EngineGroup([], MODEL, profiles=profiles, time_scale=time_scale)
+    stops: list[Any] = []
+    try:
+        url = await _start_target(policy, group, workdir, stops, subprocess, wait_port)
+        if url is None:
+            return None
+        real = [(a / time_scale, body, tag) for a, body, tag in requests]
+        records, wall = await open_loop(url + "/v1/chat/completions", real, progress=policy)
+    finally:
+        for stop in reversed(stops):
+            res = stop()
+            if asyncio.iscoroutine(res):
+                await res
+        group.close()
+    for r in records:
+        r.arrival_s *= time_scale
+        r.e2e_s *= time_scale
+        if r.ttft_s is not None:
+            r.ttft_s *= time_scale
+        r.inter_token_s = [g * time_scale for g in r.inter_token_s]
+    return records, wall * time_scale
+
+
+class _Http2ProbeFilter(logging.Filter):
+    """sglang-router opens an HTTP/2 (gRPC) connection to each worker to detect its kind; the simulated
+    engines speak HTTP/1.1 and aiohttp logs a traceback per probe. Those lines are dropped, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and type(exc).__name__ == "BadHttpMessage" and "PRI" in str(exc))
+
+
+def _quiet_http2_probes() -> None:
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _Http2ProbeFilter) for f in logger.filters):
+        logger.addFilter(_Http2ProbeFilter())

@@ -15,6 +15,9 @@ engines' exact state instead:
   with balanced total work: a stronger reference for cache-heavy workloads, still not a proven bound
   (it ignores burstiness within the run).
 - `round-robin`, `least-request` (exact outstanding counts, like an ideal least-connections).
+- `sglang-cache-aware`, `vllm-router-cache-aware`: the peers' `cache_aware` policies (approximate
+  character radix tree learned from their own decisions, load-imbalance fallback), written from their
+  documentation in `references.py`, with their command-line defaults.
 """
 
 from __future__ import annotations
@@ -32,12 +35,20 @@ from extproc.config import config_from_dict
 from extproc.fleet import FleetView, decode
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.lab.bench.report import RequestRecord
+from extproc.lab.discrete_event.references import (
+    SGLANG_CACHE_AWARE,
+    VLLM_ROUTER_CACHE_AWARE,
+    CacheAwareConfig,
+    CacheAwareRouter,
+    routing_text,
+)
 from extproc.lab.engines.model import EngineModel, StepResult
 from extproc.lab.engines.profiles import GpuProfile
-from extproc.lab.engines.tokens import chat_to_tokens
+from extproc.lab.engines.tokens import chat_to_tokens, message_tokens
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai import RequestError
 from extproc.openai.parse import parse_head
+from extproc.settings import DEFAULT_PROFILE
 from extproc.telemetry import Metrics
 
 Request = tuple[float, dict[str, Any], str]  # (arrival_s, OpenAI chat body, tag)
@@ -113,15 +124,31 @@ class ExactTtft:
         pass
 
 
+class PeerCacheAware:
+    """A peer router's `cache_aware` policy (references.py) over the router's own outstanding counts."""
+
+    def __init__(self, fleet: Fleet, name: str, config: CacheAwareConfig) -> None:
+        self.name = name
+        self.fleet = fleet
+        self.router = CacheAwareRouter(len(fleet.engines), config)
+
+    def choose(self, req: Pending, body: dict[str, Any], now: float) -> int:
+        return self.router.choose(routing_text(body), self.fleet.outstanding, now)
+
+    def finished(self, req: Pending) -> None:
+        pass
+
+
 class ClairvoyantAffinity:
     name = "clairvoyant-affinity"
 
-    def __init__(self, fleet: Fleet, requests: Sequence[Request]) -> None:
+    def __init__(
+        self, fleet: Fleet, requests: Sequence[Request], tokens: Sequence[Sequence[int]] | None = None
+    ) -> None:
         work: dict[str, int] = {}
-        for _, body, tag in requests:
-            work[tag] = (
-                work.get(tag, 0) + len(chat_to_tokens(body["messages"])) + int(body.get("max_tokens") or 0)
-            )
+        for i, (_, body, tag) in enumerate(requests):
+            n = len(tokens[i]) if tokens is not None else len(chat_to_tokens(body["messages"]))
+            work[tag] = work.get(tag, 0) + n + int(body.get("max_tokens") or 0)
         load = [(0, i) for i in range(len(fleet.engines))]
         heapq.heapify(load)
         self.home: dict[str, int] = {}
@@ -137,6 +164,9 @@ class ClairvoyantAffinity:
         pass
 
 
+SEEDED_PICKER = {"name": "max-score", "params": {"seed": 0}}
+
+
 class ExtprocPolicy:
     """The service's RequestLifecycle over a FleetView fed by snapshots of the simulated engines."""
 
@@ -150,6 +180,8 @@ class ExtprocPolicy:
         raw: dict[str, Any] = {
             "pool": {"clusters": [{"name": f"engine-{i}", "models": [model]} for i in range(n)]},
             "metrics_listen": None,
+            # The default profile with its random tie-breaks seeded: a run is repeatable.
+            "scheduling": {"profiles": {"default": {**DEFAULT_PROFILE, "picker": SEEDED_PICKER}}},
             **(service or {}),
         }
         self.config = config_from_dict(raw)
@@ -206,7 +238,44 @@ class DesRun:
     wall_s: float
 
 
-POLICIES = ("llm-extproc", "round-robin", "least-request", "exact-ttft", "clairvoyant-affinity")
+POLICIES = (
+    "llm-extproc",
+    "round-robin",
+    "least-request",
+    "sglang-cache-aware",
+    "vllm-router-cache-aware",
+    "exact-ttft",
+    "clairvoyant-affinity",
+)
+PEER_CONFIGS: dict[str, CacheAwareConfig] = {
+    "sglang-cache-aware": SGLANG_CACHE_AWARE,
+    "vllm-router-cache-aware": VLLM_ROUTER_CACHE_AWARE,
+}
+
+
+def tokenize_requests(requests: Sequence[Request]) -> list[list[int]]:
+    """Every request's prompt token ids, tokenizing each distinct message once (system prompts and chat
+    histories repeat across requests): the same ids as `chat_to_tokens`, much faster for a workload."""
+    cache: dict[tuple[str, str], list[int]] = {}
+    out: list[list[int]] = []
+    for _, body, _ in requests:
+        ids: list[int] = []
+        for message in body["messages"]:
+            role, content = str(message.get("role", "")), message.get("content")
+            if isinstance(content, str):
+                key = (role, content)
+                part = cache.get(key)
+                if part is None:
+                    part = cache[key] = message_tokens(role, content)
+                ids.extend(part)
+            else:
+                ids.extend(message_tokens(role, content))
+        ids.extend(_GENERATION_PROMPT)
+        out.append(ids)
+    return out
+
+
+_GENERATION_PROMPT = chat_to_tokens([], add_generation_prompt=True)
 
 
 def simulate(
@@ -217,8 +286,13 @@ def simulate(
     model: str = "sim-llama",
     publish_interval_s: float = 1.0,
     service: dict[str, Any] | None = None,
+    tokens: Sequence[list[int]] | None = None,
+    peer_configs: dict[str, CacheAwareConfig] | None = None,
 ) -> DesRun:
-    """Run one policy over the workload on fresh engines; every request gets a record."""
+    """Run one policy over the workload on fresh engines; every request gets a record.
+
+    `tokens` (from `tokenize_requests`) saves re-tokenizing the same workload for every policy;
+    `peer_configs` overrides the peers' cache_aware parameters by policy name."""
     started = time.perf_counter()
     fleet = Fleet([EngineModel(p) for p in profiles])
     now = 0.0
@@ -234,7 +308,11 @@ def simulate(
     elif policy == "exact-ttft":
         chosen = ExactTtft(fleet)
     elif policy == "clairvoyant-affinity":
-        chosen = ClairvoyantAffinity(fleet, requests)
+        chosen = ClairvoyantAffinity(fleet, requests, tokens)
+    elif policy in PEER_CONFIGS:
+        chosen = PeerCacheAware(
+            fleet, policy, (peer_configs or PEER_CONFIGS).get(policy, PEER_CONFIGS[policy])
+        )
     else:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
 
@@ -268,11 +346,11 @@ def simulate(
             heapq.heappush(events, (now + publish_interval_s, next(seq), 0, 0))
         elif kind == 2:
             arrival, body, tag = requests[payload]
-            tokens = chat_to_tokens(body["messages"])
-            req = Pending(payload, tag, arrival, tokens, int(body.get("max_tokens") or 16))
+            prompt = tokens[payload] if tokens is not None else chat_to_tokens(body["messages"])
+            req = Pending(payload, tag, arrival, prompt, int(body.get("max_tokens") or 16))
             try:
                 engine = chosen.choose(req, body, now)
-                fleet.engines[engine].submit(str(payload), tokens, req.max_tokens, now)
+                fleet.engines[engine].submit(str(payload), prompt, req.max_tokens, now)
             except (RequestError, ValueError) as exc:
                 status = exc.status if isinstance(exc, RequestError) else 400
                 records.append(_failed(req, status, str(exc)[:80]))
@@ -346,8 +424,9 @@ def run_simulations(
     wl = make_workload(workload, rate=rate, count=count, seed=seed, **(params or {}))
     requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
     reports, by_policy = [], {}
+    tokens = tokenize_requests(requests)
     for policy in policies:
-        run = simulate(requests, fleet, policy, publish_interval_s=publish_interval_s)
+        run = simulate(requests, fleet, policy, publish_interval_s=publish_interval_s, tokens=tokens)
         reports.append(
             summarize(
                 policy, run.records, run.virtual_s, slo, instances=[f"engine-{i}" for i in range(engines)]

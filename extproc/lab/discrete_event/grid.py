@@ -1,0 +1,221 @@
+"""The robustness grid in virtual time: every policy in every cell of a named grid, same requests and
+seed per cell (cells and report: `extproc.lab.bench.grid`).
+
+Per cell, before the policies run:
+
+- **Round robin's capacity** is measured, not assumed: round robin serves the cell's whole request list
+  on the cell's fleet with every request queued at t = 0 (saturation). An engine's saturated throughput
+  is the requests it completed over the time it took to finish them, cold caches included (the cell's
+  runs start cold too: with large caches the warm-up misses are much of a short run's work, and a
+  capacity measured on warm caches alone overloads round robin at "80 %"). Round robin gives every
+  engine 1/n of the requests, so its capacity is ``n x`` the slowest engine's throughput (in a mixed
+  fleet the A10Gs saturate first). The cell's rate is ``load x`` capacity. Checked on t-base, t-mixed,
+  t-kv-60, c-base and c-kv-60 by running round robin at 0.5-1.2x: its queue starts to grow between
+  1.0x and 1.1x (docs/benchmarks.md).
+- **Round robin unloaded**: the first 200 of the cell's requests at 2 % of capacity; its TTFT p90 is
+  what "round robin is loaded" (p90 >= 3x unloaded) compares against.
+- **Cold prefill**: the TTFT of the cell's median prompt on an idle engine with an empty cache, mean
+  over the fleet's engines (the cold-miss floor).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from extproc.lab.bench.grid import (
+    Calibration,
+    Cell,
+    CellResult,
+    cell_profiles,
+    cell_slo,
+    evaluate,
+    grid,
+    make_cell_workload,
+    policy_row,
+    prefix_tokens,
+    summary_table,
+    write_results,
+)
+from extproc.lab.bench.report import RequestRecord, summarize
+from extproc.lab.discrete_event.simulation import POLICIES, Request, simulate, tokenize_requests
+from extproc.lab.engines.model import EngineModel
+from extproc.lab.engines.profiles import GpuProfile
+
+MODEL = "sim-llama"
+SATURATION_RATE = 1e4  # requests/s: every request is queued at once
+UNLOADED_SHARE = 0.02
+UNLOADED_REQUESTS = 200
+
+
+def _requests(cell: Cell, rate: float, count: int, seed: int) -> list[Request]:
+    wl = make_cell_workload(cell, rate=rate, count=count, seed=seed, model=MODEL)
+    return [(r.arrival_s, r.body, r.tag) for r in wl.requests]
+
+
+def saturated_capacity(records: Sequence[RequestRecord], engines: int) -> float:
+    """Round robin's capacity from a saturated run (every request queued at t = 0): n x the slowest
+    engine's throughput, its completed requests over the time it took to finish them all (module
+    docstring)."""
+    done: dict[str, list[float]] = {}
+    for r in records:
+        if r.ok and r.served_by is not None:
+            done.setdefault(r.served_by, []).append(r.arrival_s + r.e2e_s)
+    start = min((r.arrival_s for r in records), default=0.0)
+    rates = [len(times) / (max(times) - start) for times in done.values() if max(times) > start]
+    if not rates:
+        raise ValueError("no completed requests to measure round robin's capacity")
+    return engines * min(rates)
+
+
+def cold_prefill_s(profile: GpuProfile, prompt: Sequence[int]) -> float:
+    """TTFT of `prompt` alone on a fresh engine of `profile`."""
+    engine = EngineModel(profile)
+    engine.submit("cold", list(prompt), 1, 0.0)
+    now = 0.0
+    while True:
+        step = engine.step(now)
+        if step is None:
+            raise RuntimeError("engine went idle before the first token")
+        now = step.ended_at
+        if step.first_tokens:
+            return step.first_tokens[0].ttft
+
+
+def calibrate(cell: Cell, *, seed: int = 0, count_scale: float = 1.0) -> Calibration:
+    """Requests, fleet, capacity, rate, unloaded p90 and cold prefill of one cell (module docstring)."""
+    # Capacity, KV size and the floors are properties of the cell: always measured on its full request
+    # list, whatever `count_scale` does to the runs.
+    full = cell.requests(1.0)
+    count = min(full, cell.requests(count_scale))
+    saturated = _requests(cell, SATURATION_RATE, full, seed)
+    all_tokens = tokenize_requests(saturated)
+    probe = make_cell_workload(cell, rate=1.0, count=full, seed=seed, model=MODEL)
+    prefix = prefix_tokens(cell, probe)
+    longest = max(
+        len(t) + int(b.get("max_tokens") or 0) for t, (_, b, _) in zip(all_tokens, saturated, strict=True)
+    )
+    profiles = cell_profiles(cell, prefix, longest)
+    run = simulate(saturated, profiles, "round-robin", tokens=all_tokens)
+    capacity = saturated_capacity(run.records, len(profiles))
+    rate = cell.load * capacity
+    tokens = all_tokens[:count]
+
+    unloaded_n = min(full, UNLOADED_REQUESTS)
+    unloaded = _requests(cell, UNLOADED_SHARE * capacity, unloaded_n, seed)
+    idle = simulate(unloaded, profiles, "round-robin", tokens=all_tokens[:unloaded_n])
+    idle_p90 = summarize("unloaded", idle.records, idle.virtual_s).ttft_p90_ms
+
+    median_prompt = sorted(all_tokens, key=len)[len(all_tokens) // 2]
+    cold = statistics.mean(cold_prefill_s(p, median_prompt) for p in profiles)
+    requests = _requests(cell, rate, count, seed)
+    return Calibration(
+        cell=cell,
+        requests=requests,
+        tokens=tokens,
+        profiles=profiles,
+        prefix_tokens=prefix,
+        capacity_rps=capacity,
+        rate=rate,
+        rr_unloaded_p90_ms=idle_p90,
+        cold_prefill_ms=cold * 1000,
+        slo=cell_slo(cold),
+    )
+
+
+def run_cell(
+    cell: Cell,
+    policies: Sequence[str] = POLICIES,
+    *,
+    seed: int = 0,
+    count_scale: float = 1.0,
+    publish_interval_s: float = 1.0,
+    service: dict[str, Any] | None = None,
+) -> CellResult:
+    """Every policy on the cell's requests, each on a fresh fleet."""
+    started = time.perf_counter()
+    cal = calibrate(cell, seed=seed, count_scale=count_scale)
+    names = [f"engine-{i}" for i in range(len(cal.profiles))]
+    rows: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        run = simulate(
+            cal.requests,
+            cal.profiles,
+            policy,
+            model=MODEL,
+            publish_interval_s=publish_interval_s,
+            service=service,
+            tokens=cal.tokens,
+        )
+        rows[policy] = policy_row(summarize(policy, run.records, run.virtual_s, cal.slo, instances=names))
+    ratios, targets = evaluate(
+        rows, rr_unloaded_p90_ms=cal.rr_unloaded_p90_ms, cold_prefill_ms=cal.cold_prefill_ms
+    )
+    return CellResult(
+        cell=cell,
+        rate=cal.rate,
+        capacity_rps=cal.capacity_rps,
+        prefix_tokens=cal.prefix_tokens,
+        kv_blocks=cal.kv_blocks,
+        slo=cal.slo,
+        policies=rows,
+        ratios=ratios,
+        targets=targets,
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def run_des_grid(
+    name: str,
+    *,
+    policies: Sequence[str] = POLICIES,
+    cells: Sequence[str] | None = None,
+    seed: int = 0,
+    count_scale: float = 1.0,
+    publish_interval_s: float = 1.0,
+    out_dir: Path = Path("out/grid"),
+    progress: Callable[[str], None] | None = print,
+) -> list[CellResult]:
+    """`llm-extproc simulate --grid NAME`: every policy in every cell; JSON + markdown under `out_dir`."""
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    chosen = grid(name, cells)
+    started = time.perf_counter()
+    results: list[CellResult] = []
+    for i, cell in enumerate(chosen, 1):
+        result = run_cell(
+            cell, policies, seed=seed, count_scale=count_scale, publish_interval_s=publish_interval_s
+        )
+        results.append(result)
+        if progress:
+            ours = result.policies.get("llm-extproc", {})
+            progress(
+                f"[{i}/{len(chosen)}] {cell.name}: {cell.requests(count_scale)} requests at "
+                f"{result.rate:.2f} req/s, llm-extproc p90 {_ms(ours.get('ttft_p90_ms'))}, targets "
+                + " ".join(f"{k}={v}" for k, v in result.targets.items())
+                + f" ({result.wall_s:.1f} s)"
+            )
+    meta = {
+        "grid": name,
+        "mode": "discrete-event (virtual time)",
+        "seed": seed,
+        "count_scale": count_scale,
+        "policies": list(policies),
+        "publish_interval_s": publish_interval_s,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    json_path, md_path = write_results(out_dir, f"grid-{name}", results, meta)
+    if progress:
+        progress(summary_table(results))
+        progress(f"results: {json_path}, {md_path} ({meta['wall_s']} s)")
+    return results
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None or math.isnan(v) else f"{v:.0f} ms"
