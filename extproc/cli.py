@@ -268,6 +268,21 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
+def _add_grid_options(
+    p: argparse.ArgumentParser, grid_help: str, *, count_scale: float = 1.0, count_scale_note: str = ""
+) -> None:
+    """--grid, --cells and --count-scale, shared by `bench --local --grid` and `simulate --grid`."""
+    p.add_argument("--grid", help=grid_help)
+    p.add_argument("--cells", help="with --grid: only these cells of the grid (comma list of names)")
+    note = f" (default {count_scale:g}: {count_scale_note})" if count_scale_note else ""
+    p.add_argument(
+        "--count-scale",
+        type=float,
+        default=count_scale,
+        help=f"with --grid: multiply every cell's request count{note}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__)
     parser.add_argument("--version", action="version", version=__version__)
@@ -351,17 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         help="with --local (a peer router that is not installed is reported as skipped)",
     )
-    p.add_argument(
-        "--grid",
-        help="with --local: run the live cells of a robustness grid (smoke | default) instead of one "
+    _add_grid_options(
+        p,
+        "with --local: run the live cells of a robustness grid (smoke | default) instead of one "
         "workload; writes grid-live-NAME.json and .md under --out (default out/grid-live)",
-    )
-    p.add_argument("--cells", help="with --grid: only these cells of the grid (comma list of names)")
-    p.add_argument(
-        "--count-scale",
-        type=float,
-        default=0.25,
-        help="with --grid: multiply every cell's request count (default 0.25: live runs cost real time)",
+        count_scale=0.25,
+        count_scale_note="live runs cost real time",
     )
     p.add_argument(
         "--profiles",
@@ -394,14 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma list (default: {','.join(SIMULATE_POLICIES)}; with --grid every one of "
         "those and sglang-cache-aware, vllm-router-cache-aware)",
     )
-    p.add_argument(
-        "--grid",
-        help="run a robustness grid instead of one workload: smoke | default | full "
+    _add_grid_options(
+        p,
+        "run a robustness grid instead of one workload: smoke | default | full "
         "(cells, capacity and targets: docs/benchmarks.md); writes grid-NAME.json and .md under --out",
-    )
-    p.add_argument("--cells", help="with --grid: only these cells (comma list of names)")
-    p.add_argument(
-        "--count-scale", type=float, default=1.0, help="with --grid: multiply every cell's request count"
     )
     p.add_argument("--profiles", default="a10g-llama3-8b", help="GPU profile(s), cycled over the engines")
     p.add_argument("--engines", type=int, default=16)

@@ -43,7 +43,8 @@ import itertools
 import json
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -119,34 +120,44 @@ def _vary(base: Cell, name: str, **changes: Any) -> Cell:
     return dataclasses.replace(base, name=name, **changes)
 
 
+# One factor at a time around a base cell: name suffix -> (field, value).
+_FLEET_AND_KV: dict[str, tuple[str, Any]] = {
+    "engines-4": ("engines", 4),
+    "engines-16": ("engines", 16),
+    "mixed": ("fleet", "mixed"),
+    "kv-4": ("kv_prefixes", 4),
+    "kv-60": ("kv_prefixes", 60),
+}
+_TENANT_FACTORS: dict[str, tuple[str, Any]] = {
+    "tenants-16": ("tenants", 16),
+    "tenants-200": ("tenants", 200),
+    "zipf-0.6": ("zipf", 0.6),
+    "zipf-1.2": ("zipf", 1.2),
+    "prompt-1k": ("prompt_tokens", 1000),
+    "prompt-4k": ("prompt_tokens", 4000),
+    "prompt-8k": ("prompt_tokens", 8000),
+}
+_CHAT_FACTORS: dict[str, tuple[str, Any]] = {
+    "conv-40": ("conversations", 40),
+    "conv-200": ("conversations", 200),
+}
+_LOAD: dict[str, tuple[str, Any]] = {"load-50": ("load", 0.5), "load-95": ("load", 0.95)}
+
+
+def _one_at_a_time(base: Cell, prefix: str, *factors: Mapping[str, tuple[str, Any]]) -> list[Cell]:
+    """`base`, then one cell per entry of `factors`, named `<prefix>-<suffix>`."""
+    return [base] + [
+        _vary(base, f"{prefix}-{suffix}", **{field: value})
+        for group in factors
+        for suffix, (field, value) in group.items()
+    ]
+
+
 def _default_grid() -> list[Cell]:
     t, c = BASE_TENANTS, BASE_CHAT
     return [
-        t,
-        _vary(t, "t-engines-4", engines=4),
-        _vary(t, "t-engines-16", engines=16),
-        _vary(t, "t-mixed", fleet="mixed"),
-        _vary(t, "t-kv-4", kv_prefixes=4),
-        _vary(t, "t-kv-60", kv_prefixes=60),
-        _vary(t, "t-tenants-16", tenants=16),
-        _vary(t, "t-tenants-200", tenants=200),
-        _vary(t, "t-zipf-0.6", zipf=0.6),
-        _vary(t, "t-zipf-1.2", zipf=1.2),
-        _vary(t, "t-prompt-1k", prompt_tokens=1000),
-        _vary(t, "t-prompt-4k", prompt_tokens=4000),
-        _vary(t, "t-prompt-8k", prompt_tokens=8000),
-        _vary(t, "t-load-50", load=0.5),
-        _vary(t, "t-load-95", load=0.95),
-        c,
-        _vary(c, "c-conv-40", conversations=40),
-        _vary(c, "c-conv-200", conversations=200),
-        _vary(c, "c-engines-4", engines=4),
-        _vary(c, "c-engines-16", engines=16),
-        _vary(c, "c-mixed", fleet="mixed"),
-        _vary(c, "c-kv-4", kv_prefixes=4),
-        _vary(c, "c-kv-60", kv_prefixes=60),
-        _vary(c, "c-load-50", load=0.5),
-        _vary(c, "c-load-95", load=0.95),
+        *_one_at_a_time(t, "t", _FLEET_AND_KV, _TENANT_FACTORS, _LOAD),
+        *_one_at_a_time(c, "c", _CHAT_FACTORS, _FLEET_AND_KV, _LOAD),
         # Corners: several factors at once, mostly at high load and tight KV.
         _vary(t, "t-16e-200t-kv4-95", engines=16, tenants=200, kv_prefixes=4, load=0.95),
         _vary(t, "t-4e-16t-kv60-50", engines=4, tenants=16, kv_prefixes=60, load=0.5),
@@ -203,6 +214,13 @@ DIMENSIONS: dict[str, tuple[Any, ...]] = {
     "load": (0.5, 0.8, 0.95),
 }
 """Every value issue 8 asks for; `default` and `full` cover each (tests check)."""
+
+
+def check_policies(policies: Sequence[str], known: Collection[str]) -> None:
+    """ValueError naming the policies that are not in `known`, if any."""
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(known)}")
 
 
 def grid(name: str, only: Sequence[str] | None = None) -> list[Cell]:
@@ -520,6 +538,33 @@ def misses(results: Sequence[CellResult]) -> list[str]:
     return out
 
 
+def cell_result(
+    cal: Calibration,
+    policies: dict[str, dict[str, Any]],
+    *,
+    started: float,
+    skipped: dict[str, str] | None = None,
+) -> CellResult:
+    """A calibrated cell's result from its policies' rows (`policy_row`): ratios and targets
+    (`evaluate`), wall time since `started` (`time.perf_counter()`)."""
+    ratios, targets = evaluate(
+        policies, rr_unloaded_p90_ms=cal.rr_unloaded_p90_ms, cold_prefill_ms=cal.cold_prefill_ms
+    )
+    return CellResult(
+        cell=cal.cell,
+        rate=cal.rate,
+        capacity_rps=cal.capacity_rps,
+        prefix_tokens=cal.prefix_tokens,
+        kv_blocks=cal.kv_blocks,
+        slo=cal.slo,
+        policies=policies,
+        ratios=ratios,
+        targets=targets,
+        skipped={} if skipped is None else skipped,
+        wall_s=time.perf_counter() - started,
+    )
+
+
 def write_results(
     out_dir: Path, stem: str, results: Sequence[CellResult], meta: Mapping[str, Any]
 ) -> tuple[Path, Path]:
@@ -552,3 +597,25 @@ def write_results(
     md_path = out_dir / f"{stem}.md"
     md_path.write_text("\n".join(md))
     return json_path, md_path
+
+
+def finish_grid(
+    out_dir: Path,
+    stem: str,
+    results: Sequence[CellResult],
+    meta: Mapping[str, Any],
+    *,
+    started: float,
+    progress: Callable[[str], None] | None,
+) -> None:
+    """`write_results` with the run's wall time (since `started`) and date added to `meta`; the summary
+    table and where the results are to `progress`."""
+    meta = {
+        **meta,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    json_path, md_path = write_results(out_dir, stem, results, meta)
+    if progress:
+        progress(summary_table(results))
+        progress(f"results: {json_path}, {md_path} ({meta['wall_s']} s)")

@@ -26,11 +26,11 @@ from extproc.lab.bench.grid import (
     Calibration,
     Cell,
     CellResult,
-    evaluate,
+    cell_result,
+    check_policies,
+    finish_grid,
     grid,
     policy_row,
-    summary_table,
-    write_results,
 )
 from extproc.lab.bench.report import summarize
 from extproc.lab.bench.scenarios import peer_missing, run_live_requests
@@ -75,9 +75,7 @@ async def run_live_grid(
     progress: Callable[[str], None] | None = print,
 ) -> list[CellResult]:
     """`llm-extproc bench --local --grid NAME`: every live policy in every live cell; JSON + markdown."""
-    unknown = [p for p in policies if p not in LIVE_NAMES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(LIVE_NAMES)}")
+    check_policies(policies, LIVE_NAMES)
     started = time.perf_counter()
     results: list[CellResult] = []
     chosen = live_cells(name, cells)
@@ -108,26 +106,13 @@ async def run_live_grid(
             records, duration = ran
             report = summarize(policy, records, duration, cal.slo, instances=names)
             rows[LIVE_NAMES[policy]] = policy_row(report)
-        ratios, targets = evaluate(
-            rows, rr_unloaded_p90_ms=cal.rr_unloaded_p90_ms, cold_prefill_ms=cal.cold_prefill_ms
-        )
-        result = CellResult(
-            cell=cell,
-            rate=cal.rate,
-            capacity_rps=cal.capacity_rps,
-            prefix_tokens=cal.prefix_tokens,
-            kv_blocks=cal.kv_blocks,
-            slo=cal.slo,
-            policies=rows,
-            ratios=ratios,
-            targets=targets,
-            skipped=skipped,
-            wall_s=time.perf_counter() - t0,
-        )
+        result = cell_result(cal, rows, started=t0, skipped=skipped)
         results.append(result)
         if progress:
             progress(
-                "  targets " + " ".join(f"{k}={v}" for k, v in targets.items()) + f" ({result.wall_s:.0f} s)"
+                "  targets "
+                + " ".join(f"{k}={v}" for k, v in result.targets.items())
+                + f" ({result.wall_s:.0f} s)"
             )
     meta = {
         "grid": name,
@@ -136,11 +121,6 @@ async def run_live_grid(
         "policies": {LIVE_NAMES[p]: p for p in policies},
         "calibration": "discrete-event mode (capacity, rate, unloaded p90, cold prefill)",
         "notes": {LIVE_NAMES[p]: PEER_NOTES[p] for p in policies if p in PEER_NOTES},
-        "wall_s": round(time.perf_counter() - started, 1),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    json_path, md_path = write_results(out_dir, f"grid-live-{name}", results, meta)
-    if progress:
-        progress(summary_table(results))
-        progress(f"results: {json_path}, {md_path} ({meta['wall_s']} s)")
+    finish_grid(out_dir, f"grid-live-{name}", results, meta, started=started, progress=progress)
     return results

@@ -384,11 +384,7 @@ async def run_live_bench(
                 url + "/v1/chat/completions", requests, progress=f"{policy} ({workload})"
             )
         finally:
-            for stop in reversed(stops):
-                res = stop()
-                if asyncio.iscoroutine(res):
-                    await res
-            group.close()
+            await _stop_target(stops, group)
         timed = [r for r in records[warmup:]]
         reports.append(summarize(policy, timed, wall, slo, instances=names))
         by_policy[policy] = timed
@@ -474,6 +470,15 @@ async def _start_target(
     return f"http://127.0.0.1:{port}"
 
 
+async def _stop_target(stops: list[Any], group: EngineGroup) -> None:
+    """Undo `_start_target`: its `stops` last first (awaiting the async ones), then the engines."""
+    for stop in reversed(stops):
+        res = stop()
+        if asyncio.iscoroutine(res):
+            await res
+    group.close()
+
+
 async def run_live_requests(
     policy: str,
     requests: list[tuple[float, dict[str, Any], str]],
@@ -505,11 +510,7 @@ async def run_live_requests(
         real = [(a / time_scale, body, tag) for a, body, tag in requests]
         records, wall = await open_loop(url + "/v1/chat/completions", real, progress=policy)
     finally:
-        for stop in reversed(stops):
-            res = stop()
-            if asyncio.iscoroutine(res):
-                await res
-        group.close()
+        await _stop_target(stops, group)
     for r in records:
         r.arrival_s *= time_scale
         r.e2e_s *= time_scale

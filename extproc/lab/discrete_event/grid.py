@@ -32,14 +32,14 @@ from extproc.lab.bench.grid import (
     Cell,
     CellResult,
     cell_profiles,
+    cell_result,
     cell_slo,
-    evaluate,
+    check_policies,
+    finish_grid,
     grid,
     make_cell_workload,
     policy_row,
     prefix_tokens,
-    summary_table,
-    write_results,
 )
 from extproc.lab.bench.report import RequestRecord, summarize
 from extproc.lab.discrete_event.simulation import POLICIES, Request, simulate, tokenize_requests
@@ -152,21 +152,7 @@ def run_cell(
             tokens=cal.tokens,
         )
         rows[policy] = policy_row(summarize(policy, run.records, run.virtual_s, cal.slo, instances=names))
-    ratios, targets = evaluate(
-        rows, rr_unloaded_p90_ms=cal.rr_unloaded_p90_ms, cold_prefill_ms=cal.cold_prefill_ms
-    )
-    return CellResult(
-        cell=cell,
-        rate=cal.rate,
-        capacity_rps=cal.capacity_rps,
-        prefix_tokens=cal.prefix_tokens,
-        kv_blocks=cal.kv_blocks,
-        slo=cal.slo,
-        policies=rows,
-        ratios=ratios,
-        targets=targets,
-        wall_s=time.perf_counter() - started,
-    )
+    return cell_result(cal, rows, started=started)
 
 
 def run_des_grid(
@@ -181,9 +167,7 @@ def run_des_grid(
     progress: Callable[[str], None] | None = print,
 ) -> list[CellResult]:
     """`llm-extproc simulate --grid NAME`: every policy in every cell; JSON + markdown under `out_dir`."""
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    check_policies(policies, POLICIES)
     chosen = grid(name, cells)
     started = time.perf_counter()
     results: list[CellResult] = []
@@ -207,13 +191,8 @@ def run_des_grid(
         "count_scale": count_scale,
         "policies": list(policies),
         "publish_interval_s": publish_interval_s,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    json_path, md_path = write_results(out_dir, f"grid-{name}", results, meta)
-    if progress:
-        progress(summary_table(results))
-        progress(f"results: {json_path}, {md_path} ({meta['wall_s']} s)")
+    finish_grid(out_dir, f"grid-{name}", results, meta, started=started, progress=progress)
     return results
 
 
