@@ -40,6 +40,10 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_ENDPOINT_METADATA_NAMESPACE = "envoy.lb"
+# How long a thread may hold the GIL before another gets it (Python's default is 5 ms). Long prompts
+# are tokenized on worker threads; at 5 ms the event loop waited up to ~9 ms for the GIL back while
+# 200 KB prompts were encoded, at 1 ms ~5.5 ms (`llm-extproc bench-tokenization`).
+GIL_SWITCH_INTERVAL_S = 0.001
 
 # Used when the config defines no profile: the predicted time to first token on each candidate, from a
 # model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 
 import grpc
@@ -16,6 +17,7 @@ from extproc.fleet import FleetView
 from extproc.fleet.redis_feed import RedisFeed
 from extproc.lifecycle import RequestLifecycle
 from extproc.server.stream import ExternalProcessor
+from extproc.settings import GIL_SWITCH_INTERVAL_S
 from extproc.telemetry import Metrics, MetricsServer
 
 log = logging.getLogger("extproc.server")
@@ -41,6 +43,8 @@ class RunningService:
             await self.feed.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.lifecycle.config.tokenizers is not None:
+            self.lifecycle.config.tokenizers.close()
 
 
 async def start(config: ServiceConfig) -> RunningService:
@@ -85,6 +89,7 @@ async def start(config: ServiceConfig) -> RunningService:
 
 async def serve(config: ServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     running = await start(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

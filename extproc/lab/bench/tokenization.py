@@ -18,6 +18,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from extproc.config import config_from_dict
 from extproc.lab.bench.workloads import pseudo_text
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
+from extproc.settings import GIL_SWITCH_INTERVAL_S
 from extproc.telemetry import Metrics
 
 SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -171,6 +173,7 @@ async def _stall(folder: Path, tokenizer: dict[str, str], prompts: int) -> dict[
 
 
 async def run_tokenization_bench(out_dir: Path, runs: int = 20) -> int:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as `llm-extproc serve` runs
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="llm-extproc-tok-") as tmp:
         folder = Path(tmp)
