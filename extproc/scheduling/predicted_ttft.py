@@ -10,11 +10,14 @@ For a candidate u:
             + room(u)                       u's free KV cannot hold those tokens: they wait for room
             + evict(u)                      the blocks this placement pushes out of u's cache, as the
                                             prefill time someone will pay to bring them back
+            + duplicate(u) - copy(u)        a cold copy of a prefix another candidate holds delays what
+                                            queues behind it there; unless it relieves a much busier
+                                            holder, when part of its prefill is discounted instead
+            + footprint(u)                  a prefix no one holds goes where the cache is emptiest
 
-`evict` is what keeps affinity and spreading honest without fixed bounds: copying a hot prefix to an
-engine with room costs nothing (a prompt shared by all traffic spreads over the fleet), copying it
-into a full cache costs the tenants it evicts, and a new prefix goes where it evicts least (the
-emptiest cache, as sglang-router's smallest-tree rule places it).
+These terms keep affinity and spreading honest without fixed bounds: a tenant stays with its holder
+while the holder is not much busier than the rest, a prompt shared by all traffic spreads onto idle
+engines, and a new prefix is placed as sglang-router's smallest-tree rule places it.
 
 - `uncached(u)` comes from a model of u's cache (`CacheModel`) bounded by u's real KV capacity from its
   snapshots, LRU like the engine's, with running requests' blocks pinned; reset when u changes
@@ -81,7 +84,7 @@ class PredictedTtftScorer:
     expected_output_tokens: int = 200  # KV room held for the output (capped by max_tokens)
     evict_weight: float = 0.5  # x the prefill seconds of the cached blocks a placement evicts
     duplicate_weight: float = 1.0  # x the prefill seconds of blocks another candidate has cached
-    duplicate_pressure: bool = True  # scale that by the share of the copy that evicts cached blocks
+    duplicate_pressure: bool = False  # scale that by the share of the copy that has no room (evicts)
     # A copy of a prefix another candidate holds, made where it evicts nothing and onto an engine far
     # less busy than the holder, is an investment: later requests of that prefix can go there too.
     # Charge only (1 - this x (1 - its load / the holder's)) of its prefill, so a hot prefix spreads
@@ -208,10 +211,12 @@ class PredictedTtftScorer:
                 # for it (it evicts others, or waits for running requests to free blocks).
                 pressure = min(1.0, over / new_blocks) if self.duplicate_pressure else 1.0
                 copy_s = (best_matched - m) * bt / rate
-                ttft += copy_s * self.duplicate_weight * pressure
-                if self.copy_discount and not over and holder_running > running:
+                relief = 0.0
+                if not over and holder_running > running:
                     relief = 1.0 - (running + 1) / (holder_running + 1)
-                    ttft -= copy_s * self.copy_discount * relief
+                # A copy is penalised unless it relieves a much busier holder; then it is discounted.
+                ttft += copy_s * (self.duplicate_weight * pressure * (1.0 - relief))
+                ttft -= copy_s * self.copy_discount * relief
             elif best_matched == 0 and self.footprint_weight:
                 ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
             predicted.append(ttft)
