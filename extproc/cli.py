@@ -22,6 +22,8 @@ def _serve(args: argparse.Namespace) -> int:
         listen=args.listen,
         metrics_listen=args.metrics_listen,
         max_body_bytes=args.max_body_bytes,
+        shutdown_announce_s=args.shutdown_announce,
+        shutdown_grace_s=args.shutdown_grace,
     )
     _run(serve(config))
     return 0
@@ -69,6 +71,8 @@ def _publish(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         redis_pool=args.pool,
         interval_s=args.interval,
+        scrape_timeout_s=args.scrape_timeout,
+        metrics_listen=args.metrics_listen,
     )
     publisher = Publisher(config)
 
@@ -249,6 +253,28 @@ def _fleet_bench(args: argparse.Namespace) -> int:
     return _run(run_fleet_bench(Path(args.out)))
 
 
+def _big_bodies_bench(args: argparse.Namespace) -> int:
+    import yaml
+
+    from extproc.lab.bench.big_bodies import run_big_bodies_bench
+
+    overrides = yaml.safe_load(args.service) if args.service else None
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError("--service must be a YAML mapping")
+    report = _run(
+        run_big_bodies_bench(
+            Path(args.out),
+            kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+            clients=args.clients,
+            size_mb=args.size_mb,
+            seconds=args.seconds,
+            rate=args.rate,
+            service=overrides,
+        )
+    )
+    return 0 if all(p.get("big_504", 0) == 0 for p in report["phases"]) else 1
+
+
 def _overhead(args: argparse.Namespace) -> int:
     from extproc.lab.bench.scenarios import run_overhead
 
@@ -294,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", help="gRPC listen address, e.g. 0.0.0.0:9002")
     p.add_argument("--metrics-listen", help="Prometheus /metrics address, e.g. 0.0.0.0:9090")
     p.add_argument("--max-body-bytes", type=int, help="largest request body routed (413 above)")
+    p.add_argument(
+        "--shutdown-announce",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, report NOT_SERVING but keep accepting streams this long, so Envoy's health "
+        "check moves traffic first (default 6: the shipped health check, docs/operations.md)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        metavar="SECONDS",
+        help="then let open streams finish for up to this long before cancelling them (default 30)",
+    )
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("check-config", help="load and validate a config file, then exit")
@@ -315,6 +354,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS)")
     p.add_argument("--pool", help="pool name (Redis key prefix llm-extproc:<pool>)")
     p.add_argument("--interval", type=float, help="seconds between scrapes (default 1)")
+    p.add_argument(
+        "--scrape-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="deadline of one instance's scrape; below --interval (default min(2, 0.8 x interval))",
+    )
+    p.add_argument(
+        "--metrics-listen", help="the publisher's own Prometheus /metrics, e.g. 127.0.0.1:9103 (default off)"
+    )
     p.set_defaults(func=_publish)
 
     p = sub.add_parser("sim", help="run simulated OpenAI-compatible engines (no GPU)")
@@ -439,6 +487,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-fleet", help="snapshot ingestion rate and decision latency vs fleet size")
     p.add_argument("--out", default="out/fleet")
     p.set_defaults(func=_fleet_bench)
+
+    p = sub.add_parser(
+        "bench-big-bodies",
+        help="small requests' latency while clients send 15 MB bodies (Envoy + service + engines)",
+    )
+    p.add_argument("--kinds", default="text,image", help="big bodies: text (a long prompt), image (base64)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent big-body clients")
+    p.add_argument("--size-mb", type=float, default=15.0, help="big body size, MB")
+    p.add_argument("--seconds", type=float, default=15.0, help="small-request probe time per phase")
+    p.add_argument("--rate", type=float, default=20.0, help="small requests per second (open loop)")
+    p.add_argument("--service", help="YAML merged into the service config, e.g. 'bodies: {workers: 1}'")
+    p.add_argument("--out", default="out/big-bodies")
+    p.set_defaults(func=_big_bodies_bench)
 
     return parser
 

@@ -16,15 +16,24 @@ import yaml
 from extproc.fleet import Pool, RoutingMode, pool_from_config
 from extproc.scheduling import Profile, profile_from_config
 from extproc.settings import (
+    DEFAULT_BODY_OFFLOAD_BYTES,
+    DEFAULT_BODY_TRIM_INTERVAL_S,
+    DEFAULT_BODY_WORKER_NICE,
+    DEFAULT_BODY_WORKERS,
     DEFAULT_ENDPOINT_METADATA_NAMESPACE,
     DEFAULT_GRPC_MAX_MESSAGE_BYTES,
+    DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_LISTEN,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_METRICS_LISTEN,
     DEFAULT_PROFILE,
+    DEFAULT_RELEASE_ON,
+    DEFAULT_SHUTDOWN_ANNOUNCE_S,
     DEFAULT_SHUTDOWN_GRACE_S,
     ENV_CONFIG,
     ENV_REDIS_PASSWORD,
+    MAX_SHUTDOWN_ANNOUNCE_S,
+    RELEASE_MODES,
     ConfigError,
     HeaderNames,
     RedisSettings,
@@ -40,6 +49,39 @@ from extproc.tokenization import TokenizerRegistry
 from extproc.tokenization import from_config as tokenizers_from_config
 
 
+@dataclass(slots=True, frozen=True)
+class BodySettings:
+    """How request bodies are parsed (`bodies:` in the YAML; see settings and lifecycle/bodies.py)."""
+
+    offload_bytes: int = DEFAULT_BODY_OFFLOAD_BYTES
+    """Bodies at least this big are parsed in a worker process, smaller ones on the event loop."""
+    workers: int = DEFAULT_BODY_WORKERS
+    """Worker processes, started as big bodies need them: also the most big bodies parsed at once
+    (the others wait their turn, never holding the event loop)."""
+    trim_interval_s: float = DEFAULT_BODY_TRIM_INTERVAL_S
+    """Hand freed memory back to the OS this long after big bodies stop; 0: never (glibc defaults)."""
+    worker_nice: int = DEFAULT_BODY_WORKER_NICE
+    """CPU niceness of the workers (0-19): big bodies yield CPU to the event loop."""
+
+
+def _bodies(raw: Any) -> BodySettings:
+    where = "config: 'bodies'"
+    section = mapping(raw, where)
+    check_keys(section, BodySettings.__dataclass_fields__, where)
+    values: dict[str, Any] = {}
+    for key in ("offload_bytes", "workers"):
+        if key in section:
+            values[key] = integer(section[key], f"{where}.{key}", minimum=1)
+    if "worker_nice" in section:
+        nice = integer(section["worker_nice"], f"{where}.worker_nice", minimum=0)
+        if nice > 19:
+            raise ConfigError(f"{where}.worker_nice must be an integer from 0 to 19, got {nice}")
+        values["worker_nice"] = nice
+    if "trim_interval_s" in section:
+        values["trim_interval_s"] = number(section["trim_interval_s"], f"{where}.trim_interval_s", minimum=0)
+    return BodySettings(**values)
+
+
 @dataclass(slots=True)
 class ServiceConfig:
     pool: Pool
@@ -51,12 +93,18 @@ class ServiceConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     grpc_max_message_bytes: int = 0
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    shutdown_announce_s: float = DEFAULT_SHUTDOWN_ANNOUNCE_S
+    """On SIGTERM: NOT_SERVING but still accepting streams this long, before the drain (settings)."""
+    release_on: str = DEFAULT_RELEASE_ON
+    """How a routed request's end is learnt: `stream_end` or `access_log` (see settings)."""
+    lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     headers: HeaderNames = field(default_factory=HeaderNames)
     endpoint_metadata_namespace: str = DEFAULT_ENDPOINT_METADATA_NAMESPACE
     fleet: RedisSettings | None = None
     """Live fleet state from Redis; None keeps the static pool with the service's own counts."""
     tokenizers: TokenizerRegistry | None = None
     """Per-model tokenizers (`tokenizers:` in the YAML); None: plugins estimate ~4 bytes per token."""
+    bodies: BodySettings = field(default_factory=BodySettings)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
@@ -84,7 +132,7 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     return config_from_dict(raw, base_dir=Path(chosen).parent, **overrides)
 
 
-_SECTIONS = ("routing", "pool", "scheduling", "headers", "fleet", "tokenizers")
+_SECTIONS = ("routing", "pool", "scheduling", "headers", "fleet", "tokenizers", "bodies")
 
 
 def _scalars(raw: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +151,20 @@ def _scalars(raw: dict[str, Any]) -> dict[str, Any]:
         )
     if "shutdown_grace_s" in raw:
         out["shutdown_grace_s"] = number(raw["shutdown_grace_s"], "config: 'shutdown_grace_s'", minimum=0)
+    if "shutdown_announce_s" in raw:
+        out["shutdown_announce_s"] = number(
+            raw["shutdown_announce_s"],
+            "config: 'shutdown_announce_s'",
+            minimum=0,
+            maximum=MAX_SHUTDOWN_ANNOUNCE_S,
+        )
+    if "release_on" in raw:
+        value = string(raw["release_on"], "config: 'release_on'")
+        if value not in RELEASE_MODES:
+            raise ConfigError(f"config: 'release_on' must be one of {list(RELEASE_MODES)}, not {value!r}")
+        out["release_on"] = value
+    if "lease_timeout_s" in raw:
+        out["lease_timeout_s"] = number(raw["lease_timeout_s"], "config: 'lease_timeout_s'", minimum=1)
     if "endpoint_metadata_namespace" in raw:
         out["endpoint_metadata_namespace"] = string(
             raw["endpoint_metadata_namespace"], "config: 'endpoint_metadata_namespace'"
@@ -116,6 +178,9 @@ _SCALAR_KEYS = (
     "max_body_bytes",
     "grpc_max_message_bytes",
     "shutdown_grace_s",
+    "shutdown_announce_s",
+    "release_on",
+    "lease_timeout_s",
     "endpoint_metadata_namespace",
 )
 
@@ -167,6 +232,7 @@ def config_from_dict(
         except (ValueError, OSError) as exc:
             raise ConfigError(f"config: {exc}") from None
     return ServiceConfig(
+        bodies=_bodies(raw.get("bodies")),
         tokenizers=tokenizers,
         fleet=fleet,
         pool=pool,

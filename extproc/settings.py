@@ -39,11 +39,55 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # Above the 32 MiB Envoy buffer limit in envoy/envoy.yaml; raise both together.
 DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
+# Shutdown runs in phases (server/app.py, docs/operations.md "Restarts and replica failure"):
+#   1. announce: gRPC health says NOT_SERVING, new streams are still accepted, for
+#      `shutdown_announce_s`, so Envoy's active health check moves new streams to other replicas;
+#   2. drain: no new streams; open ones get up to `shutdown_grace_s` to finish;
+#   3. cancel: whatever is still open is cancelled, the process exits 0.
+# The announce period must outlast Envoy's detection: `unhealthy_threshold` failed checks `interval`
+# apart, the last one possibly waiting its `timeout`, plus a margin for the checker's own scheduling.
+# These mirror the `llm-extproc` cluster's health check in the shipped envoy/*.yaml (tests check they
+# agree); with another health check, set `shutdown_announce_s` from the same formula.
+ENVOY_EXTPROC_HC_INTERVAL_S = 2.0
+ENVOY_EXTPROC_HC_TIMEOUT_S = 1.0
+ENVOY_EXTPROC_HC_UNHEALTHY_THRESHOLD = 2
+SHUTDOWN_ANNOUNCE_MARGIN_S = 1.0
+DEFAULT_SHUTDOWN_ANNOUNCE_S = (
+    ENVOY_EXTPROC_HC_INTERVAL_S * ENVOY_EXTPROC_HC_UNHEALTHY_THRESHOLD
+    + ENVOY_EXTPROC_HC_TIMEOUT_S
+    + SHUTDOWN_ANNOUNCE_MARGIN_S
+)  # 6 s
+MAX_SHUTDOWN_ANNOUNCE_S = 300.0  # above this a value is a unit mistake (ms for s), not a choice
+# How the service learns that a routed request ended (server/completions.py): `access_log` ends the
+# ext_proc stream right after routing (the service closes it) and reads Envoy's gRPC access log (the
+# shipped envoy.yaml), so no response depends on the service; `stream_end` keeps the stream open for
+# the whole response (Envoy response_trailer_mode SEND) and needs no access log.
+RELEASE_MODES = ("access_log", "stream_end")
+DEFAULT_RELEASE_ON = "access_log"
+# A routed request whose access-log entry never came is released after this long (no generation
+# should last longer; Envoy's stream idle timeout in the shipped envoy.yaml is 300 s).
+DEFAULT_LEASE_TIMEOUT_S = 900.0
 DEFAULT_ENDPOINT_METADATA_NAMESPACE = "envoy.lb"
 # How long a thread may hold the GIL before another gets it (Python's default is 5 ms). Long prompts
 # are tokenized on worker threads; at 5 ms the event loop waited up to ~9 ms for the GIL back while
 # 200 KB prompts were encoded, at 1 ms ~5.5 ms (`llm-extproc bench-tokenization`).
 GIL_SWITCH_INTERVAL_S = 0.001
+# Big request bodies (`bodies:` in the service YAML, lifecycle/bodies.py). orjson parses a 15 MB body
+# in ~30 ms holding the GIL (a thread would not help), so bodies of at least `offload_bytes` are
+# parsed by worker processes, one body each, `workers` at most at a time; the rest wait their turn
+# without holding the event loop. Moving a body to a worker and its prompt back costs a few copies,
+# more than parsing a small body, so those stay on the loop.
+DEFAULT_BODY_OFFLOAD_BYTES = 1024 * 1024
+DEFAULT_BODY_WORKERS = 2
+# Workers run at this CPU niceness: when CPUs are short, a burst of big bodies slows down rather than
+# taking CPU from the event loop that answers every other request.
+DEFAULT_BODY_WORKER_NICE = 10
+# A worker that has not answered within this long is killed (its body gets a 503): a parse takes
+# well under a second, and Envoy's ext_proc message timeout (2 s in envoy/envoy.yaml) has long fired.
+BODY_PARSE_DEADLINE_S = 30.0
+# After big bodies, memory the allocator keeps is handed back to the OS (glibc malloc_trim, on a
+# thread), at most once per this many seconds and once more after the last big body.
+DEFAULT_BODY_TRIM_INTERVAL_S = 2.0
 
 # Used when the config defines no profile: the predicted time to first token on each candidate, from a
 # model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global
@@ -76,6 +120,8 @@ class HeaderNames:
     session: str = "x-session-id"
     user: str = "x-user-id"
     priority: str = "x-llm-priority"
+    ticket: str = "x-llm-ticket"  # set on routed requests; Envoy's access log echoes it back
+    stream: str = "x-llm-stream"  # set on streaming requests: envoy.yaml gives them a header timeout
 
 
 # -- fleet state (Redis feed and view) -------------------------------------------------------------
@@ -83,6 +129,10 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REBUILD_EVERY_S = 0.05  # coalesce bursts of snapshots into one rebuild of the derived tables
 EXPIRY_TICK_S = 0.25  # rebuild at least this often so expiry is noticed without new data
 FORGET_AFTER_S = 300.0  # expired instances are forgotten after this long (their metrics series too)
+# A READY snapshot that expired less than this many of its own TTLs ago is still a candidate, but only
+# for a model with no fresh READY instance (a late publisher must not turn one DOWN neighbour into 503s
+# for everyone); counted in llm_extproc_stale_ready_decisions_total. 0 turns it off.
+STALE_READY_GRACE_TTLS = 1.0
 REDIS_SOCKET_TIMEOUT_S = 5.0
 REDIS_CONNECT_TIMEOUT_S = 2.0
 
@@ -133,6 +183,16 @@ def redis_settings(raw: Any, where: str, password_env: str | None = None) -> Red
 DEFAULT_PUBLISH_INTERVAL_S = 1.0
 DEFAULT_DISCOVERY_INTERVAL_S = 10.0
 DEFAULT_SCRAPE_TIMEOUT_S = 2.0
+# Each instance is scraped and published on its own schedule; its scrape (health + metrics) must end
+# well inside one interval. Unset, the timeout is min(DEFAULT_SCRAPE_TIMEOUT_S, share x interval); a
+# configured one must be below the interval.
+SCRAPE_TIMEOUT_SHARE = 0.8
+# Bound on one Redis write (SET + PUBLISH) of one snapshot; a hung Redis must not hold a task longer.
+PUBLISH_WRITE_TIMEOUT_S = 2.0
+DISCOVERY_TIMEOUT_S = 5.0  # one Envoy admin discovery round (config_dump + clusters)
+# Largest /metrics body read (a vLLM scrape is ~100-300 KB); beyond it the scrape is a metrics error.
+MAX_METRICS_BYTES = 16 * 1024 * 1024
+MAX_HEALTH_BYTES = 64 * 1024
 MIN_TTL_MS = 100  # readers reject snapshots whose TTL is outside these bounds
 MAX_TTL_MS = 3_600_000
 

@@ -37,6 +37,7 @@ class Stack(LocalGateway):
         service: Mapping[str, Any] | None = None,
         clusters: Mapping[str, list[int]] | None = None,
         envoy_edit: Callable[[dict[str, Any]], None] | None = None,
+        replicas: int = 1,
     ) -> None:
         if clusters is None:
             clusters = {"gpu-a": [0], "gpu-b": [1]}
@@ -49,6 +50,7 @@ class Stack(LocalGateway):
             service=copy.deepcopy(dict(service)) if service is not None else service_config(),
             envoy_file=envoy_file,
             envoy_edit=envoy_edit,
+            replicas=replicas,
         )
 
     def inflight(self) -> float:

@@ -300,3 +300,124 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
 
 def test_empty_scrape_is_all_missing() -> None:
     assert asdict(normalize("tgi", "")) == asdict(EngineLoad())
+
+
+# -- rejected values are named, not silently dropped ---------------------------------------------------
+def test_unusable_values_are_listed_with_a_reason() -> None:
+    text = """\
+vllm:num_requests_running{model_name="m"} NaN
+vllm:num_requests_waiting{model_name="m"} -1
+vllm:kv_cache_usage_perc{model_name="m"} +Inf
+vllm:cache_config_info{block_size="16.5",num_gpu_blocks="None"} 1.0
+vllm:time_to_first_token_seconds_count{model_name="m"} 3
+vllm:time_to_first_token_seconds_sum{model_name="m"} NaN
+"""
+    load = normalize("vllm", text)
+    assert sorted(load.rejected) == [
+        ("block_size", "fractional"),
+        ("kv_blocks_total", "not_a_number"),
+        ("kv_cache_usage", "infinite"),
+        ("num_running", "nan"),
+        ("num_waiting", "negative"),
+        ("ttft", "nan"),
+    ]
+    assert not load.has_load_signal()
+
+
+def test_absurd_block_count_is_read_as_is_and_left_to_the_publisher() -> None:
+    # num_gpu_blocks="1e20" is a whole number: normalize returns it; the publisher's range check
+    # (tests/test_publisher.py) rejects it. It must not turn into a KV usage either.
+    text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1e20"} 1.0\nvllm:num_requests_running 1\n'
+    load = normalize("vllm", text)
+    assert load.kv_blocks_total == 10**20
+    assert load.kv_cache_usage is None
+
+
+def test_empty_scrape_or_wrong_engine_has_no_load_signal() -> None:
+    assert not normalize("vllm", "").has_load_signal()
+    assert not normalize("sglang", scrape("vllm")).has_load_signal()  # wrong engine kind configured
+    assert normalize("vllm", scrape("vllm")).has_load_signal()
+
+
+# -- models and LoRA adapters come only from the engine's own series ---------------------------------
+def test_models_only_from_the_engines_own_series() -> None:
+    text = """\
+vllm:num_requests_running{model_name="served"} 1.0
+http_requests_total{handler="/v1/chat",model_name="x"} 4.0
+python_info{implementation="CPython",model_name="y"} 1.0
+sglang:num_running_reqs{model_name="not-this-engine"} 2.0
+"""
+    assert normalize("vllm", text).models == ["served"]
+
+
+LORA = """\
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters="old"} 1.7e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql, chat",waiting_lora_adapters="fin"} 1.8e+09
+vllm:num_requests_running{model_name="base"} 1.0
+"""
+
+
+def test_lora_adapters_from_the_newest_series() -> None:
+    load = normalize("vllm", LORA)
+    assert load.lora_adapters == ["chat", "fin", "sql"]  # running and waiting, trimmed, sorted
+    assert load.models == ["base"]  # adapters are not models here; lora_requests_info names no model
+
+
+def test_lora_absent_or_empty() -> None:
+    assert normalize("vllm", scrape("vllm")).lora_adapters == []
+    text = 'vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""} 5\n'
+    assert normalize("vllm", text).lora_adapters == []
+    assert normalize("sglang", LORA).lora_adapters == []  # not in SGLang's row
+
+
+# -- SGLang capacity in tokens ----------------------------------------------------------------------------
+def test_sglang_capacity_from_max_total_num_tokens() -> None:
+    text = """\
+sglang:max_total_num_tokens{dp_rank="0",model_name="m"} 120000.0
+sglang:max_total_num_tokens{dp_rank="1",model_name="m"} 120000.0
+sglang:num_running_reqs{dp_rank="0",model_name="m"} 1.0
+"""
+    load = normalize("sglang", text)
+    assert load.kv_tokens_total == 240000
+    assert (load.kv_blocks_total, load.block_size) == (240000, 1)  # pages of one token: exact capacity
+    with_page = text + 'sglang:page_size{dp_rank="0",model_name="m"} 16.0\n'
+    load = normalize("sglang", with_page)
+    assert (load.kv_blocks_total, load.block_size) == (15000, 16)
+
+
+def test_sglang_page_count_wins_over_token_capacity() -> None:
+    load = normalize("sglang", scrape("sglang"))
+    assert load.kv_tokens_total == 240000
+    assert load.kv_blocks_total == 240000 and load.block_size == 1  # from num_pages / page_size
+
+
+# -- trtllm-serve ------------------------------------------------------------------------------------------
+TRTLLM_SERVE = """\
+# HELP trtllm_num_requests_running Number of requests currently running
+# TYPE trtllm_num_requests_running gauge
+trtllm_num_requests_running{engine_type="trtllm",model_name="llama"} 5.0
+# TYPE trtllm_num_requests_waiting gauge
+trtllm_num_requests_waiting{engine_type="trtllm",model_name="llama"} 2.0
+# TYPE trtllm_kv_cache_utilization gauge
+trtllm_kv_cache_utilization{engine_type="trtllm",model_name="llama"} 0.42
+# TYPE trtllm_kv_cache_max_blocks gauge
+trtllm_kv_cache_max_blocks{engine_type="trtllm",model_name="llama"} 62762.0
+# TYPE trtllm_kv_cache_tokens_per_block gauge
+trtllm_kv_cache_tokens_per_block{engine_type="trtllm",model_name="llama"} 32.0
+# TYPE trtllm_time_to_first_token_seconds histogram
+trtllm_time_to_first_token_seconds_bucket{engine_type="trtllm",le="+Inf",model_name="llama"} 4.0
+trtllm_time_to_first_token_seconds_count{engine_type="trtllm",model_name="llama"} 4.0
+trtllm_time_to_first_token_seconds_sum{engine_type="trtllm",model_name="llama"} 1.0
+"""
+
+
+def test_trtllm_serve() -> None:
+    load = normalize("trtllm-serve", TRTLLM_SERVE)
+    assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (5.0, 2.0, 0.42)
+    assert (load.kv_blocks_total, load.block_size) == (62762, 32)
+    assert (load.ttft_sum, load.ttft_count) == (1.0, 4.0)
+    assert load.models == ["llama"]
+    assert ENGINE_METRICS["trtllm-serve"].metrics_path == "/prometheus/metrics"
+    assert not normalize("trtllm", TRTLLM_SERVE).has_load_signal()  # Triton's row does not read these

@@ -10,23 +10,37 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-from gateway_stack import MODEL, Stack, wait_until
+from gateway_stack import MODEL, Stack, service_config, wait_until
 
 from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import body_mode_edit
+from extproc.lab.stack import body_mode_edit, ext_proc_filter
 
 pytestmark = pytest.mark.envoy
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
-@pytest.fixture(scope="module", params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def _stream_end_edit(cfg: dict) -> None:
+    """The older release mode: the ext_proc stream held open for the whole response."""
+    ext_proc_filter(cfg)["processing_mode"]["response_trailer_mode"] = "SEND"
+
+
+# BUFFERED and FULL_DUPLEX_STREAMED with the shipped release mode (Envoy's access log reports each
+# request's end); "stream_end": BUFFERED with the stream held open until the response ends.
+@pytest.fixture(scope="module", params=["BUFFERED", "FULL_DUPLEX_STREAMED", "stream_end"])
 def stack(
     request: pytest.FixtureRequest, engines: EngineGroup, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    s = Stack(
-        engines, tmp_path_factory.mktemp(request.param), envoy_edit=body_mode_edit(request.param)
-    ).start()
+    if request.param == "stream_end":
+        s = Stack(
+            engines,
+            tmp_path_factory.mktemp(request.param),
+            envoy_edit=_stream_end_edit,
+            service=service_config(release_on="stream_end"),
+        )
+    else:
+        s = Stack(engines, tmp_path_factory.mktemp(request.param), envoy_edit=body_mode_edit(request.param))
+    s.start()
     yield s
     s.stop()
 
@@ -158,7 +172,8 @@ async def test_client_disconnect_releases_inflight(stack: Stack, engines: Engine
         r.close()  # the client goes away mid-stream
     assert wait_until(lambda: stack.inflight() == 0), stack.metrics()
     assert wait_until(lambda: sum(e.stats.disconnected for e in engines.engines) == 1)
-    assert stack.metrics()['llm_extproc_releases_total{trigger="stream_end"}'] >= 1
+    trigger = "stream_end" if stack.service_config.get("release_on") == "stream_end" else "access_log"
+    assert stack.metrics()[f'llm_extproc_releases_total{{trigger="{trigger}"}}'] >= 1
 
 
 async def test_spoofed_routing_headers_are_ignored(stack: Stack, engines: EngineGroup) -> None:

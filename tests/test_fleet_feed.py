@@ -238,3 +238,42 @@ async def test_password_protected_redis(tmp_path: Path) -> None:
         await h.client.aclose()
     finally:
         server.stop()
+
+
+async def test_a_down_instance_never_hides_the_others(harness: Harness) -> None:
+    harness.feed.start()
+    await harness.feed.connected.wait()
+    await harness.put(snapshot(waiting=5))
+    await harness.put(snapshot("gpu-b/127.0.0.1:8002", "gpu-b", waiting=0))
+    assert await until(lambda: harness.view.counts["fresh_ready"] == 2)
+    await harness.put(snapshot("gpu-b/127.0.0.1:8002", "gpu-b", seq=2, readiness=spb.DOWN))
+    assert await until(lambda: harness.view.counts["fresh_not_ready"] == 1)
+    assert {harness.route_cluster() for _ in range(10)} == {"gpu-a"}
+    await harness.client.delete(harness.settings.key("gpu-b/127.0.0.1:8002"))
+    await harness.feed.resync(harness.client)  # a resync that finds the DOWN key gone changes nothing
+    assert {harness.route_cluster() for _ in range(5)} == {"gpu-a"}
+
+
+async def test_late_ready_snapshot_routes_instead_of_503(harness: Harness) -> None:
+    """gpu-a's publisher is late (its READY snapshot just expired) while gpu-b is freshly DOWN: the
+    stale-READY grace routes to gpu-a instead of answering 503, and counts it."""
+    harness.feed.start()
+    await harness.feed.connected.wait()
+    await harness.put(snapshot(ttl_ms=1000))
+    await harness.put(snapshot("gpu-b/127.0.0.1:8002", "gpu-b", readiness=spb.DOWN, ttl_ms=30_000))
+    assert await until(lambda: harness.view.counts["stale_ready"] == 1, timeout=5)
+    assert harness.route_cluster() == "gpu-a"
+    assert await until(lambda: harness.sample("llm_extproc_stale_ready_decisions_total") >= 1)
+    assert harness.sample("llm_extproc_fallbacks_total", reason="no_fresh_snapshot") == 0
+
+
+async def test_unknown_load_through_the_feed(harness: Harness) -> None:
+    harness.feed.start()
+    await harness.feed.connected.wait()
+    await harness.put(snapshot(waiting=4, num_running=2, kv_cache_usage=0.5, load_presence=True))
+    unknown = snapshot("gpu-b/127.0.0.1:8002", "gpu-b", load_presence=True)
+    unknown.ClearField("num_waiting")  # the engine did not report it: unknown, not 0
+    await harness.put(unknown)
+    assert await until(lambda: harness.view.load("gpu-b") is not None)
+    load = harness.view.load("gpu-b")
+    assert load is not None and load.num_waiting == 4 and "num_waiting" in load.unknown

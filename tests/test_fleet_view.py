@@ -122,7 +122,7 @@ def test_cluster_mode_aggregates_instances() -> None:
     assert v.load("c3") is None
     assert v.candidates("m1") == (Upstream(id="c1", cluster="c1", address=None, weight=3.5),)
     assert v.candidates("m2") == (Upstream(id="c2", cluster="c2", address=None, weight=1.0),)
-    assert v.counts == {"fresh_ready": 4, "fresh_not_ready": 0, "stale": 0}
+    assert v.counts == {"fresh_ready": 4, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
 
 
 def test_cluster_mode_per_model_candidates() -> None:
@@ -186,7 +186,7 @@ def test_candidates_none_without_information() -> None:
     v = FleetView(cluster_pool(), clock=Clock())
     v.rebuild()
     assert v.candidates("m1") is None
-    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
 
 
 @pytest.mark.parametrize("readiness", [spb.WARMING_UP, spb.DRAINING, spb.DOWN, spb.READINESS_UNSPECIFIED])
@@ -199,7 +199,7 @@ def test_candidates_empty_when_none_ready(readiness: int) -> None:
     assert v.serves("m1")
     assert v.load("c1") is None
     assert [u.id for u in v.candidates("m2") or ()] == ["c2"]
-    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 1, "stale": 0}
+    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 1, "stale": 0, "stale_ready": 0}
 
 
 def test_not_ready_instance_excluded_from_aggregate() -> None:
@@ -218,7 +218,7 @@ def test_expiry_then_forget() -> None:
     v = FleetView(cluster_pool(), clock=clock)
     v.apply(inst("c1/a", published_at=NOW, expires_at=NOW + 2.0))
     v.rebuild()
-    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 0, "stale": 0}
+    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
     assert v.candidates("m1") is not None and len(v.candidates("m1") or ()) == 1
 
     clock.t = NOW + 1.99
@@ -227,7 +227,7 @@ def test_expiry_then_forget() -> None:
 
     clock.t = NOW + 2.0
     v.rebuild()
-    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 1}
+    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 1, "stale_ready": 0}
     assert v.candidates("m1") is None
     assert v.load("c1") is None
     assert "c1/a" in v.instances()
@@ -241,7 +241,7 @@ def test_expiry_then_forget() -> None:
     assert v.instances() == {}
     assert v.counts["stale"] == 1  # counted on the rebuild that forgets it
     v.rebuild()
-    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
 
 
 def test_one_stale_instance_leaves_the_fresh_one() -> None:
@@ -252,7 +252,7 @@ def test_one_stale_instance_leaves_the_fresh_one() -> None:
     v.rebuild()
     load = v.load("c1")
     assert load is not None and (load.num_waiting, load.instances, load.published_at) == (1, 1, NOW + 4)
-    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 0, "stale": 1}
+    assert v.counts == {"fresh_ready": 1, "fresh_not_ready": 0, "stale": 1, "stale_ready": 0}
 
 
 def test_forgotten_instance_accepts_older_sequence_again() -> None:
@@ -371,3 +371,113 @@ def test_replace_keeps_state_frozen() -> None:
     with pytest.raises(AttributeError):
         a.num_waiting = 3  # type: ignore[misc]
     assert replace(a, num_waiting=3).num_waiting == 3
+
+
+# -- unknown load is not idle ------------------------------------------------------------------------
+def test_unknown_load_gets_the_fleet_median_and_is_marked() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", num_running=4, num_waiting=6, kv_cache_usage=0.5))
+    v.apply(
+        inst(
+            "c2/a", cluster="c2", models=frozenset({"m2"}), num_running=8, num_waiting=10, kv_cache_usage=0.9
+        )
+    )
+    v.apply(
+        inst("c3/a", cluster="c3", models=frozenset({"m3"}), num_running=None, num_waiting=None, weight=2.0)
+    )
+    v.rebuild()
+    load = v.load("c3")
+    assert load is not None
+    # Median per unit of weight (running 6, waiting 8), scaled by the instance's weight 2.
+    assert (load.num_running, load.num_waiting) == (12, 16)
+    assert load.kv_cache_usage == 0.0  # reported as 0.0 here: a known figure, kept
+    assert load.unknown == frozenset({"num_running", "num_waiting"})
+    known = v.load("c1")
+    assert known is not None and known.unknown == frozenset() and known.num_waiting == 6
+
+
+def test_unknown_kv_usage_gets_the_median() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", kv_cache_usage=0.2))
+    v.apply(inst("c1/b", kv_cache_usage=0.6))
+    v.apply(inst("c2/a", cluster="c2", models=frozenset({"m2"}), kv_cache_usage=None))
+    v.rebuild()
+    load = v.load("c2")
+    assert load is not None and load.kv_cache_usage == pytest.approx(0.4)
+    assert load.unknown == frozenset({"kv_cache_usage"})
+
+
+def test_unknown_everywhere_is_the_same_for_everyone() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", num_waiting=None))
+    v.apply(inst("c2/a", cluster="c2", models=frozenset({"m2"}), num_waiting=None))
+    v.rebuild()
+    loads = [v.load("c1"), v.load("c2")]
+    assert all(ld is not None and ld.num_waiting == 0 and "num_waiting" in ld.unknown for ld in loads)
+
+
+def test_one_unknown_instance_in_a_cluster_marks_the_aggregate() -> None:
+    v = FleetView(cluster_pool(), clock=Clock())
+    v.apply(inst("c1/a", num_waiting=2))
+    v.apply(inst("c1/b", num_waiting=None))
+    v.rebuild()
+    load = v.load("c1")
+    assert load is not None and load.num_waiting == 4 and load.unknown == frozenset({"num_waiting"})
+
+
+# -- stale-READY grace ---------------------------------------------------------------------------------
+def test_late_ready_snapshots_are_candidates_when_a_neighbour_is_down() -> None:
+    """The measured failure: one hung engine's fresh DOWN snapshot, the healthy ones slightly late."""
+    clock = Clock(NOW + 3.5)  # the READY snapshots (published NOW, TTL 3 s) expired 0.5 s ago
+    v = FleetView(endpoint_pool(), clock=clock)
+    v.apply(inst("c1/10.0.0.1:8000", num_waiting=1))
+    v.apply(inst("c1/10.0.0.2:8000", address="10.0.0.2:8000", num_waiting=3))
+    v.apply(
+        inst(
+            "c1/10.0.0.3:8000",
+            address="10.0.0.3:8000",
+            readiness=spb.DOWN,
+            published_at=NOW + 3.4,
+            expires_at=NOW + 6.4,
+        )
+    )
+    v.rebuild()
+    assert v.counts == {"fresh_ready": 0, "fresh_not_ready": 1, "stale": 2, "stale_ready": 2}
+    found = v.candidates("m1")
+    assert found is not None and {u.address for u in found} == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    assert v.stale_ready_decisions == 1
+    load = v.load("c1/10.0.0.2:8000")
+    assert load is not None and load.stale and load.num_waiting == 3
+
+    clock.t = NOW + 3.0 + 3.0  # a whole TTL past expiry: the grace is over, the DOWN one is the news
+    v.rebuild()
+    assert v.candidates("m1") == ()
+    assert v.stale_ready_decisions == 1
+
+
+def test_grace_never_shadows_fresh_ready_instances() -> None:
+    clock = Clock(NOW + 3.5)
+    v = FleetView(cluster_pool(), clock=clock)
+    v.apply(inst("c1/late", num_waiting=0))  # expired 0.5 s ago
+    v.apply(inst("c1/fresh", published_at=NOW + 3.0, expires_at=NOW + 6.0, num_waiting=9))
+    v.rebuild()
+    load = v.load("c1")
+    assert load is not None and (load.instances, load.num_waiting, load.stale) == (1, 9, False)
+    assert v.stale_ready_decisions == 0
+    assert v.counts["stale_ready"] == 0
+
+
+def test_grace_does_not_replace_the_all_stale_fallback() -> None:
+    # No fresh snapshot for the model at all: None, so the router's weighted round robin decides.
+    v = FleetView(cluster_pool(), clock=Clock(NOW + 3.5))
+    v.apply(inst("c1/a"))
+    v.rebuild()
+    assert v.candidates("m1") is None
+
+
+def test_grace_can_be_turned_off() -> None:
+    v = FleetView(cluster_pool(), clock=Clock(NOW + 3.5), stale_ready_grace_ttls=0.0)
+    v.apply(inst("c1/a"))
+    v.apply(inst("c1/b", readiness=spb.DOWN, published_at=NOW + 3.0, expires_at=NOW + 6.0))
+    v.rebuild()
+    assert v.candidates("m1") == ()

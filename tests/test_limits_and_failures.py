@@ -152,7 +152,7 @@ async def test_service_killed_fail_open_still_routes(
 
 
 async def test_sigterm_drains_open_streams(make_stack: Callable[..., Stack], engines: EngineGroup) -> None:
-    stack = make_stack()
+    stack = make_stack(service=service_config(shutdown_announce_s=0))  # one replica: nothing to announce to
     for e in engines.engines:
         e.token_delay_s = 0.05
     async with aiohttp.ClientSession() as s:

@@ -3,6 +3,7 @@ snapshot, configuration, and one publish tick against a simulated engine and a f
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,68 @@ def test_health_200_without_metrics_is_not_ready() -> None:
     assert p.snapshot(SPEC, 200, None, prev).readiness != spb.READY
 
 
+def test_no_load_signal_is_warming_up_with_a_reason() -> None:
+    # Empty /metrics, a wrong engine kind, or every load value rejected: READY would read as idle.
+    p = publisher()
+    for ld in (EngineLoad(), EngineLoad(num_running=float("nan")), EngineLoad(kv_blocks_total=100)):
+        snap = p.snapshot(SPEC, 200, ld, _Previous())
+        assert snap.readiness == spb.WARMING_UP
+        assert snap.readiness_reason == "no_load_signal"
+    prev = _Previous(ready_seen=True)
+    assert p.snapshot(SPEC, 200, EngineLoad(), prev).readiness == spb.WARMING_UP
+
+
+def test_partial_load_is_ready_with_the_rest_unknown() -> None:
+    snap = publisher().snapshot(SPEC, 200, EngineLoad(num_running=3.0), _Previous())
+    assert snap.readiness == spb.READY and snap.readiness_reason == ""
+    st = decode(snap.SerializeToString(), frozenset({"gpu-a"}))
+    assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (3, None, None)
+
+
+def test_readiness_reasons() -> None:
+    p = publisher()
+    assert p.snapshot(SPEC, None, None, _Previous(), detail="timeout").readiness_reason == "timeout"
+    assert p.snapshot(SPEC, None, None, _Previous()).readiness_reason == "unreachable"
+    assert p.snapshot(SPEC, 503, load(), _Previous()).readiness_reason == "health_status_503"
+    assert p.snapshot(SPEC, 200, None, _Previous(), detail="bad_metrics").readiness_reason == "bad_metrics"
+
+
+def test_rejected_values_are_counted_per_instance() -> None:
+    p = publisher()
+    ld = load(num_waiting=float("inf"), kv_blocks_total=10**20, rejected=[("block_size", "fractional")])
+    snap = p.snapshot(SPEC, 200, ld, _Previous())
+    assert snap.readiness == spb.READY  # running and KV usage are still known
+    assert not snap.HasField("num_waiting") and snap.kv_blocks_total == 0
+    uid = SPEC.upstream_id
+    for field, reason in (
+        ("num_waiting", "infinite"),
+        ("kv_blocks_total", "too_large"),
+        ("block_size", "fractional"),
+    ):
+        value = p.metrics.value(
+            "llm_extproc_publisher_rejected_values_total", upstream=uid, field=field, reason=reason
+        )
+        assert value == 1.0, (field, reason)
+
+
+def test_models_and_adapters_readers_would_reject_are_left_out() -> None:
+    p = publisher()
+    bare = InstanceSpec(cluster="gpu-a", address="10.0.0.5:8000")
+    snap = p.snapshot(bare, 200, load(models=["ok", "x" * 300], lora_adapters=["a", ""]), _Previous())
+    assert list(snap.models) == ["ok"] and list(snap.lora_adapters) == ["a"]
+    many = [f"m{i}" for i in range(300)]
+    snap = p.snapshot(bare, 200, load(models=many, lora_adapters=many), _Previous())
+    assert list(snap.models) == [] and list(snap.lora_adapters) == []  # readers fall back to config
+    st = decode(snap.SerializeToString(), frozenset({"gpu-a"}))
+    assert st.ready
+
+
+def test_lora_adapters_published() -> None:
+    snap = publisher().snapshot(SPEC, 200, load(lora_adapters=["sql", "chat"]), _Previous())
+    st = decode(snap.SerializeToString(), frozenset({"gpu-a"}))
+    assert st.lora_adapters == frozenset({"sql", "chat"})
+
+
 # -- snapshot fields -----------------------------------------------------------------------------------
 def test_snapshot_identity_and_publication_fields() -> None:
     p = publisher(interval_s=1.0)
@@ -166,9 +229,13 @@ def test_kv_blocks_free_estimated_from_usage() -> None:
     assert snap.kv_cache_usage == pytest.approx(1.2)  # not clamped here; readers clamp
 
 
-def test_kv_blocks_free_clamped_to_total() -> None:
-    snap = fill(EngineLoad(kv_cache_usage=0.1, kv_blocks_total=100, kv_blocks_free=150))
-    assert (snap.kv_blocks_total, snap.kv_blocks_free) == (100, 100)
+def test_kv_blocks_free_above_total_is_rejected_then_estimated_from_usage() -> None:
+    snap = spb.UpstreamSnapshot()
+    rejected = _fill_load(
+        snap, EngineLoad(kv_cache_usage=0.1, kv_blocks_total=100, kv_blocks_free=150), _Previous()
+    )
+    assert rejected == [("kv_blocks_free", "above_total")]
+    assert (snap.kv_blocks_total, snap.kv_blocks_free) == (100, 90)
 
 
 def test_no_blocks_total_leaves_blocks_unset() -> None:
@@ -177,15 +244,51 @@ def test_no_blocks_total_leaves_blocks_unset() -> None:
     assert snap.kv_cache_usage == pytest.approx(0.4)
 
 
-def test_counts_clamped() -> None:
-    snap = fill(EngineLoad(num_running=2_000_000.0, num_waiting=-3.0, block_size=16, max_model_len=3.7))
-    assert (snap.num_running, snap.num_waiting, snap.block_size, snap.max_model_len) == (1_000_000, 0, 16, 3)
+def test_counts_out_of_range_are_left_unknown_not_clamped() -> None:
+    snap = spb.UpstreamSnapshot()
+    ld = EngineLoad(num_running=2_000_000.0, num_waiting=-3.0, block_size=16, max_model_len=3.7)
+    rejected = _fill_load(snap, ld, _Previous())
+    assert rejected == [("num_running", "too_large"), ("num_waiting", "negative")]
+    assert not snap.HasField("num_running") and not snap.HasField("num_waiting")
+    assert (snap.block_size, snap.max_model_len) == (16, 3)
     snap = fill(EngineLoad())
-    assert (snap.num_running, snap.num_waiting, snap.block_size, snap.max_model_len) == (0, 0, 0, 0)
+    assert not snap.HasField("num_running") and not snap.HasField("num_waiting")
+    assert not snap.HasField("kv_cache_usage")
+    assert (snap.block_size, snap.max_model_len) == (0, 0)
 
 
-def test_negative_kv_usage_becomes_zero() -> None:
-    assert fill(EngineLoad(kv_cache_usage=-0.2)).kv_cache_usage == 0.0
+def test_zero_load_is_present_not_absent() -> None:
+    snap = fill(EngineLoad(num_running=0.0, num_waiting=0.0, kv_cache_usage=0.0))
+    assert snap.HasField("num_running") and snap.HasField("num_waiting") and snap.HasField("kv_cache_usage")
+
+
+@pytest.mark.parametrize(
+    ("kw", "field", "reason"),
+    [
+        ({"kv_cache_usage": -0.2}, "kv_cache_usage", "negative"),
+        ({"kv_cache_usage": 1.6}, "kv_cache_usage", "too_large"),
+        ({"kv_cache_usage": float("nan")}, "kv_cache_usage", "nan"),
+        ({"num_running": float("inf")}, "num_running", "infinite"),
+        ({"kv_blocks_total": 10**20}, "kv_blocks_total", "too_large"),  # uint64 overflow before
+        ({"kv_blocks_free": 10**20, "kv_blocks_total": 10}, "kv_blocks_free", "too_large"),
+        ({"block_size": 1 << 40}, "block_size", "too_large"),
+        ({"max_model_len": 1 << 40}, "max_model_len", "too_large"),
+        ({"gpu_utilization": 50.0}, "gpu_utilization", "too_large"),
+    ],
+)
+def test_out_of_range_values_are_rejected_with_a_reason(kw: dict[str, Any], field: str, reason: str) -> None:
+    snap = spb.UpstreamSnapshot()
+    assert (field, reason) in _fill_load(snap, EngineLoad(**kw), _Previous())
+    assert not snap.HasField(field) if field in ("kv_cache_usage", "num_running", "gpu_utilization") else True
+    snap.SerializeToString()  # whatever was kept fits the schema
+
+
+def test_absurd_latency_mean_is_rejected() -> None:
+    prev = _Previous()
+    fill(EngineLoad(ttft_sum=0.0, ttft_count=1), prev)
+    snap = spb.UpstreamSnapshot()
+    assert ("ttft", "too_large") in _fill_load(snap, EngineLoad(ttft_sum=1e9, ttft_count=2), prev)
+    assert not snap.HasField("ttft_seconds")
 
 
 def test_gpu_utilization_copied_when_present() -> None:
@@ -329,6 +432,41 @@ def test_load_config_errors(tmp_path: Path, doc: dict[str, Any], match: str) -> 
         load_publisher_config(write(tmp_path, doc))
 
 
+def test_scrape_timeout_must_be_below_the_interval(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="scrape_timeout_s"):
+        load_publisher_config(
+            write(tmp_path, {"envoy_admin": "http://e", "interval_s": 0.5, "scrape_timeout_s": 0.5})
+        )
+    with pytest.raises(ValueError, match="scrape_timeout_s"):
+        Publisher(PublisherConfig(redis=RedisSettings(), interval_s=1.0, scrape_timeout_s=3.0))
+    cfg = load_publisher_config(
+        write(tmp_path, {"envoy_admin": "http://e", "interval_s": 1, "scrape_timeout_s": 0.3})
+    )
+    assert cfg.scrape_deadline_s == 0.3
+
+
+@pytest.mark.parametrize(("interval", "want"), [(0.5, 0.4), (1.0, 0.8), (5.0, 2.0), (0.2, 0.16)])
+def test_scrape_deadline_derived_from_the_interval(interval: float, want: float) -> None:
+    cfg = load_publisher_config(None, envoy_admin="http://e", interval_s=interval)
+    assert cfg.scrape_deadline_s == pytest.approx(want)
+    assert cfg.scrape_deadline_s < cfg.interval_s
+
+
+def test_metrics_listen_is_validated(tmp_path: Path) -> None:
+    cfg = load_publisher_config(None, envoy_admin="http://e", metrics_listen="127.0.0.1:9103")
+    assert cfg.metrics_listen == "127.0.0.1:9103"
+    assert load_publisher_config(None, envoy_admin="http://e").metrics_listen is None  # off by default
+    with pytest.raises(ValueError, match="metrics_listen"):
+        load_publisher_config(None, envoy_admin="http://e", metrics_listen="9103")
+
+
+def test_trtllm_serve_metrics_path_default() -> None:
+    spec = instance_from_dict({"cluster": "c", "address": "10.0.0.1:8000", "engine": "trtllm-serve"})
+    assert spec.metrics_path == "/prometheus/metrics"
+    assert InstanceSpec("c", "10.0.0.1:8000", "trtllm-serve").metrics_path == "/prometheus/metrics"
+    assert InstanceSpec("c", "10.0.0.1:8000").metrics_path == "/metrics"
+
+
 def test_load_config_top_level_not_mapping(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mapping"):
         load_publisher_config(write(tmp_path, ["a", "b"]))
@@ -417,6 +555,14 @@ class FakeRedis:
         self.fail = fail
         self.pipelines: list[FakePipeline] = []
         self.executed: list[list[tuple[Any, ...]]] = []
+        self.closed = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    def written(self) -> list[spb.UpstreamSnapshot]:
+        """Every snapshot SET so far, in write order."""
+        return [spb.UpstreamSnapshot.FromString(ops[0][2]) for ops in self.executed]
 
     def pipeline(self, transaction: bool = True) -> FakePipeline:
         pipe = FakePipeline(self, transaction)
@@ -485,3 +631,128 @@ async def test_tick_unreachable_engine_is_down_and_redis_failure_is_swallowed() 
     assert [s.readiness for s in snaps] == [spb.DOWN]
     assert pub.published == 0
     assert redis.executed == []
+
+
+# -- one instance never delays or kills another ------------------------------------------------------
+async def _hung_server() -> tuple[asyncio.Server, str]:
+    """Accepts TCP connections and never answers (an engine stuck in a GPU hang)."""
+    server = await asyncio.get_running_loop().create_server(asyncio.Protocol, "127.0.0.1", 0)
+    return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_tick_writes_each_instance_when_its_own_scrape_ends() -> None:
+    engine = SimEngine("e", "m")
+    port = await engine.start("127.0.0.1", 0)
+    hung, hung_addr = await _hung_server()
+    try:
+        healthy = InstanceSpec(cluster="c1", address=f"127.0.0.1:{port}", engine="sim")
+        stuck = InstanceSpec(cluster="c1", address=hung_addr, engine="sim")
+        pub = Publisher(
+            PublisherConfig(
+                redis=RedisSettings(), instances=[stuck, healthy], interval_s=3.0, scrape_timeout_s=1.0
+            )
+        )
+        redis = FakeRedis()
+        async with aiohttp.ClientSession() as session:
+            await pub.tick(session, redis)
+        first, second = redis.written()
+        # Order, not timing: the healthy snapshot was written before the stuck scrape's deadline ended.
+        assert (first.upstream_id, first.readiness) == (healthy.upstream_id, spb.READY)
+        assert (second.upstream_id, second.readiness) == (stuck.upstream_id, spb.DOWN)
+        assert second.readiness_reason == "timeout"
+        assert first.published_at_ms <= second.published_at_ms
+        value = pub.metrics.value
+        assert (
+            value("llm_extproc_publisher_scrapes_total", upstream=stuck.upstream_id, outcome="timeout") == 1
+        )
+        assert value("llm_extproc_publisher_scrapes_total", upstream=healthy.upstream_id, outcome="ok") == 1
+    finally:
+        hung.close()
+        await engine.stop()
+
+
+async def test_an_instance_whose_scrape_raises_costs_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.publishers import publisher as module
+
+    real = module.normalize
+
+    def fragile(engine: str, text: str) -> EngineLoad:
+        if engine == "vllm":
+            raise RuntimeError("a bug in the code reading this engine")
+        return real(engine, text)
+
+    monkeypatch.setattr(module, "normalize", fragile)
+    engine = SimEngine("e", "m")
+    port = await engine.start("127.0.0.1", 0)
+    try:
+        ok = InstanceSpec(cluster="c1", address=f"127.0.0.1:{port}", engine="sim")
+        bad = InstanceSpec(cluster="c2", address=f"127.0.0.1:{port}", engine="vllm")
+        pub = Publisher(PublisherConfig(redis=RedisSettings(), instances=[bad, ok]))
+        redis = FakeRedis()
+        async with aiohttp.ClientSession() as session:
+            snaps = await pub.tick(session, redis)
+            assert [s.upstream_id for s in snaps] == [ok.upstream_id]
+            assert pub.metrics.value(
+                "llm_extproc_publisher_scrapes_total", upstream=bad.upstream_id, outcome="error"
+            )
+            await pub.tick(session, redis)  # and again: the instance is retried every tick
+        assert [s.upstream_id for s in redis.written()] == [ok.upstream_id] * 2
+    finally:
+        await engine.stop()
+
+
+async def test_run_follows_the_instance_list_and_serves_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.publishers import publisher as module
+
+    redis = FakeRedis()
+    monkeypatch.setattr(module, "redis_client", lambda _settings: redis)
+    engines = [SimEngine(f"e{i}", "m") for i in range(2)]
+    ports = [await e.start("127.0.0.1", 0) for e in engines]
+    specs = [InstanceSpec(cluster="c1", address=f"127.0.0.1:{p}", engine="sim") for p in ports]
+    pub = Publisher(
+        PublisherConfig(
+            redis=RedisSettings(), instances=specs[:1], interval_s=0.1, metrics_listen="127.0.0.1:0"
+        )
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(pub.run(stop))
+
+    async def until(predicate: Any) -> bool:
+        for _ in range(200):
+            if predicate():
+                return True
+            await asyncio.sleep(0.05)
+        return bool(predicate())
+
+    def published(uid: str) -> int:
+        return sum(1 for s in redis.written() if s.upstream_id == uid)
+
+    try:
+        assert await until(lambda: published(specs[0].upstream_id) >= 2)
+        pub.instances.append(specs[1])  # a new instance: its own task starts within one interval
+        assert await until(lambda: published(specs[1].upstream_id) >= 2)
+        assert pub.metrics.value("llm_extproc_publisher_instances") == 2
+        assert pub.metrics_port
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{pub.metrics_port}/metrics") as r,
+        ):
+            text = await r.text()
+        assert (
+            f'llm_extproc_publisher_scrapes_total{{outcome="ok",upstream="{specs[1].upstream_id}"}}' in text
+        )
+        assert "llm_extproc_publisher_publish_lag_seconds_bucket" in text
+        pub.instances.remove(specs[0])  # gone from discovery: its task stops, its series go
+        assert await until(lambda: pub.metrics.value("llm_extproc_publisher_instances") == 1)
+        assert not pub.metrics.value(
+            "llm_extproc_publisher_scrapes_total", upstream=specs[0].upstream_id, outcome="ok"
+        )
+        before = published(specs[0].upstream_id)
+        await asyncio.sleep(0.3)
+        assert published(specs[0].upstream_id) == before
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        for e in engines:
+            await e.stop()
+    assert redis.closed

@@ -25,7 +25,8 @@ def test_ci_runs_the_readme_test_command() -> None:
     python_steps = [s for s in steps if not s.startswith("sudo ")]
     # The same system package in both (CI runs as root, without sudo, and only installs if missing).
     assert any(s.endswith("install -y redis-server") for s in system)
-    assert "apt-get install -y -qq redis-server" in ci
+    assert "missing+=(redis-server)" in ci
+    assert 'apt-get install -y -qq --no-install-recommends "${missing[@]}"' in ci
     # The Python part verbatim.
     assert " && ".join(python_steps[:-1]) in ci
     assert python_steps[-1] in ci

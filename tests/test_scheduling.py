@@ -627,10 +627,13 @@ class TestProfileFromConfig:
 
 class TestRegistry:
     def test_registered_lists_builtins_sorted(self) -> None:
-        assert registered("filter") == ["max-inflight", "saturation"]
+        assert registered("filter") == ["lora-affinity", "max-inflight", "saturation"]
         assert registered("scorer") == [
+            "gpu-utilization",
             "kv-cache-usage",
+            "latency-ucb",
             "least-outstanding",
+            "lora-affinity",
             "predicted-ttft",
             "prefix-affinity",
             "queue-depth",
@@ -640,7 +643,7 @@ class TestRegistry:
 
     def test_build_unknown_kind_or_name(self) -> None:
         with pytest.raises(
-            ValueError, match=r"unknown scorer 'nope' \(known: kv-cache-usage, least-outstanding"
+            ValueError, match=r"unknown scorer 'nope' \(known: gpu-utilization, kv-cache-usage, latency-ucb"
         ):
             build_scorer("nope")
 

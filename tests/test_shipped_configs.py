@@ -10,6 +10,7 @@ import yaml
 
 from extproc.config import load_config
 from extproc.lab.stack import ENVOY_DIR, ext_proc_filter, find_envoy, load_envoy_config
+from extproc.settings import HeaderNames
 
 PAIRS = [("envoy.yaml", "llm-extproc.yaml"), ("endpoint-picker.yaml", "llm-extproc-endpoint.yaml")]
 
@@ -62,18 +63,23 @@ def test_envoy_settings_the_design_requires(envoy_file: str) -> None:
     f = ext_proc_filter(cfg)
     pm = f["processing_mode"]
     assert pm["request_header_mode"] == "SEND"  # SKIP would route before the body is seen
-    assert pm["response_trailer_mode"] == "SEND"  # keeps the stream open until the response ends
+    # The stream ends after routing: a generation never depends on it (release via the access log).
+    assert pm["response_trailer_mode"] == "SKIP"
     assert f["mutation_rules"]["disallow_all"] is True
-    http_filters = [
-        hf["name"]
-        for hf in cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-            "http_filters"
-        ]
-    ]
-    # Client routing headers are stripped before ext_proc sees the request.
-    assert http_filters.index("envoy.filters.http.header_mutation") < http_filters.index(
-        "envoy.filters.http.ext_proc"
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    # Client routing headers are stripped before route selection (early), so fail-open cannot be
+    # steered by a client: every header the service sets (x-llm-priority is the client's to send).
+    early = hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    names = HeaderNames()
+    for header in (names.destination_cluster, names.destination_endpoint, names.ticket, names.stream):
+        assert {"remove": header} in early
+    # The access log reports routed requests' ends to llm-extproc, with the ticket.
+    als = next(a for a in hcm["access_log"] if a["name"] == "envoy.access_loggers.http_grpc")
+    assert (
+        als["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+        == (f["grpc_service"]["envoy_grpc"]["cluster_name"])
     )
+    assert als["typed_config"]["additional_request_headers_to_log"] == [HeaderNames().ticket]
     extproc_cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "llm-extproc")
     opts = extproc_cluster["typed_extension_protocol_options"][
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -81,6 +87,16 @@ def test_envoy_settings_the_design_requires(envoy_file: str) -> None:
     assert "http2_protocol_options" in opts["explicit_http_config"]
     assert extproc_cluster["circuit_breakers"]["thresholds"][0]["max_requests"] >= 10_000
     assert "grpc_health_check" in extproc_cluster["health_checks"][0]
+
+
+@pytest.mark.parametrize(("envoy_file", "service_file"), PAIRS)
+def test_release_mode_matches_envoy(envoy_file: str, service_file: str) -> None:
+    """stream_end needs the stream held open (SEND); access_log works with either (the service
+    closes the stream after routing), and the shipped files skip the extra phase."""
+    pm = ext_proc_filter(load_envoy_config(ENVOY_DIR / envoy_file))["processing_mode"]
+    release_on = load_config(ENVOY_DIR / service_file).release_on
+    assert (release_on, pm["response_trailer_mode"]) in {("access_log", "SKIP"), ("stream_end", "SEND")}
+    assert release_on == "access_log"  # the default too: a generation never depends on the service
 
 
 @pytest.mark.parametrize("service_file", [p[1] for p in PAIRS])

@@ -236,10 +236,46 @@ def test_bad_readiness_via_wire() -> None:
         {"kv_cache_usage": -0.01},
         {"kv_cache_usage": 1.51},
         {"kv_blocks_total": 100, "kv_blocks_free": 101},
+        {"kv_blocks_total": 1_000_000_001},
+        {"kv_cache_usage": 2.0, "load_presence": True},
     ],
 )
 def test_bad_load(overrides: dict[str, Any]) -> None:
     assert rejected(msg(**overrides)) == "bad_load"
+
+
+# -- unknown load ----------------------------------------------------------------------------------------
+def test_load_absent_with_presence_is_unknown_not_zero() -> None:
+    m = msg(load_presence=True)
+    for name in ("num_running", "num_waiting", "kv_cache_usage"):
+        m.ClearField(name)
+    st = decode(m.SerializeToString(), CLUSTERS, now=NOW)
+    assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (None, None, None)
+
+
+def test_load_present_zero_with_presence_is_zero() -> None:
+    m = msg(load_presence=True, num_running=0, num_waiting=0, kv_cache_usage=0.0)
+    st = decode(m.SerializeToString(), CLUSTERS, now=NOW)
+    assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_legacy_writer_absent_load_is_zero() -> None:
+    # A publisher from before load_presence wrote a plain proto3 0 as nothing at all.
+    m = msg()
+    for name in ("num_running", "num_waiting", "kv_cache_usage"):
+        m.ClearField(name)
+    st = decode(m.SerializeToString(), CLUSTERS, now=NOW)
+    assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_optional_load_fields_keep_the_old_wire_encoding() -> None:
+    # `optional` changed presence tracking only: a value is encoded exactly as before (field 10 varint,
+    # 11 varint, 12 fixed64), so old readers and writers interoperate. The bytes are spelled out here.
+    m = spb.UpstreamSnapshot(num_running=7, num_waiting=3, kv_cache_usage=0.5)
+    assert m.SerializeToString() == bytes.fromhex("5007580361000000000000e03f")
+    # Zero is now written when set (presence); an old reader parses it as the same 0.
+    assert spb.UpstreamSnapshot(num_running=0).SerializeToString() == b"\x50\x00"
+    assert spb.UpstreamSnapshot.FromString(b"\x50\x00").HasField("num_running")
 
 
 def test_queue_at_limit_accepted() -> None:

@@ -1,6 +1,9 @@
 """Follow the fleet's snapshots in Redis: load every key at start, then the pub/sub channel, with a
 periodic resync and a resync after every reconnect. Runs as a background task; the request path
 never waits on it, and a Redis outage only ages the view until snapshots go stale.
+
+Every snapshot is decoded and applied on its own, keyed by its upstream id: a rejected, DOWN or
+deleted snapshot only ever concerns its own instance, never another one's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class RedisFeed:
         self.metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
         self._exported: set[str] = set()
+        self._stale_ready_seen = 0  # view.stale_ready_decisions already added to the counter
         self.connected = asyncio.Event()
 
     def start(self) -> None:
@@ -160,6 +164,11 @@ class RedisFeed:
         now = self.view.clock()
         for state, n in self.view.counts.items():
             self.metrics.fleet_instances.labels(state=state).set(n)
+        # The view counts on the request path with a plain int; the counter catches up here.
+        decisions = self.view.stale_ready_decisions
+        if decisions > self._stale_ready_seen:
+            self.metrics.stale_ready.inc(decisions - self._stale_ready_seen)
+        self._stale_ready_seen = decisions
         ages = self.metrics.snapshot_age
         held = self.view.instances()
         for uid, inst in held.items():

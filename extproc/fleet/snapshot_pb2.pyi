@@ -21,7 +21,7 @@ DRAINING: Readiness
 DOWN: Readiness
 
 class UpstreamSnapshot(_message.Message):
-    __slots__ = ("upstream_id", "cluster", "address", "engine", "models", "lora_adapters", "readiness", "capacity_weight", "num_running", "num_waiting", "kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "gpu_utilization", "prefix_cache_hit_rate", "ttft_seconds", "tpot_seconds", "publisher_id", "sequence", "published_at_ms", "ttl_ms")
+    __slots__ = ("upstream_id", "cluster", "address", "engine", "models", "lora_adapters", "readiness", "capacity_weight", "max_lora", "num_running", "num_waiting", "kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "gpu_utilization", "gpu_memory_usage", "prefix_cache_hit_rate", "ttft_seconds", "tpot_seconds", "publisher_id", "sequence", "published_at_ms", "ttl_ms", "load_presence", "readiness_reason")
     UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class UpstreamSnapshot(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     READINESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +39,7 @@ class UpstreamSnapshot(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     GPU_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     TTFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TPOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,8 @@ class UpstreamSnapshot(_message.Message):
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_PRESENCE_FIELD_NUMBER: _ClassVar[int]
+    READINESS_REASON_FIELD_NUMBER: _ClassVar[int]
     upstream_id: str
     cluster: str
     address: str
@@ -53,6 +57,7 @@ class UpstreamSnapshot(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     readiness: Readiness
     capacity_weight: float
+    max_lora: int
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -61,6 +66,7 @@ class UpstreamSnapshot(_message.Message):
     block_size: int
     max_model_len: int
     gpu_utilization: float
+    gpu_memory_usage: float
     prefix_cache_hit_rate: float
     ttft_seconds: float
     tpot_seconds: float
@@ -68,4 +74,6 @@ class UpstreamSnapshot(_message.Message):
     sequence: int
     published_at_ms: int
     ttl_ms: int
-    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., readiness: _Optional[_Union[Readiness, str]] = ..., capacity_weight: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., publisher_id: _Optional[str] = ..., sequence: _Optional[int] = ..., published_at_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    load_presence: bool
+    readiness_reason: str
+    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., readiness: _Optional[_Union[Readiness, str]] = ..., capacity_weight: _Optional[float] = ..., max_lora: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., gpu_memory_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., publisher_id: _Optional[str] = ..., sequence: _Optional[int] = ..., published_at_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., load_presence: _Optional[bool] = ..., readiness_reason: _Optional[str] = ...) -> None: ...

@@ -26,6 +26,15 @@ MAX_MODELS = 256
 MAX_QUEUE = 1_000_000
 MAX_WEIGHT = 1000.0
 MAX_FUTURE_SKEW_S = 30.0
+# Bounds shared with the publishers (which reject a value out of range before writing it, so one bad
+# field never costs the whole snapshot here). A KV "block" can be one token (SGLang's default page),
+# so a billion blocks is far beyond any engine; a context of 2^30 tokens likewise.
+MAX_KV_USAGE = 1.5  # engines round above 1.0 briefly; readers clamp to 1.0
+MAX_KV_BLOCKS = 1_000_000_000
+MAX_BLOCK_SIZE = 1 << 20
+MAX_MODEL_LEN = 1 << 30
+MAX_LATENCY_S = 3600.0
+MAX_LORA_SLOTS = 4096  # adapters one engine holds in GPU memory at once (vLLM's default max_loras is 1)
 
 
 class SnapshotRejected(ValueError):
@@ -38,7 +47,11 @@ class SnapshotRejected(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class InstanceState:
-    """A validated snapshot: what the scheduler may read about one instance."""
+    """A validated snapshot: what the scheduler may read about one instance.
+
+    num_running, num_waiting and kv_cache_usage are None when the engine did not report them (or the
+    publisher rejected the value): unknown load, which FleetView must never read as idle.
+    """
 
     upstream_id: str
     cluster: str
@@ -48,9 +61,9 @@ class InstanceState:
     lora_adapters: frozenset[str]
     readiness: int
     weight: float
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
+    num_running: int | None
+    num_waiting: int | None
+    kv_cache_usage: float | None
     kv_blocks_total: int
     kv_blocks_free: int
     block_size: int
@@ -62,6 +75,11 @@ class InstanceState:
     sequence: int
     published_at: float  # unix seconds
     expires_at: float  # unix seconds
+    # Optional signals (None: not published). max_lora: LoRA adapter slots in GPU memory;
+    # gpu_utilization / gpu_memory_usage: 0..1, the busiest / fullest of the instance's GPUs.
+    max_lora: int | None = None
+    gpu_utilization: float | None = None
+    gpu_memory_usage: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -105,11 +123,14 @@ def validate(
         raise SnapshotRejected("bad_models")
     if msg.readiness not in Readiness.values():
         raise SnapshotRejected("bad_readiness")
-    if msg.num_running > MAX_QUEUE or msg.num_waiting > MAX_QUEUE:
+    running, waiting = _load_field(msg, "num_running"), _load_field(msg, "num_waiting")
+    if (running or 0) > MAX_QUEUE or (waiting or 0) > MAX_QUEUE:
         raise SnapshotRejected("bad_load", "queue out of range")
-    kv = msg.kv_cache_usage
-    if not math.isfinite(kv) or kv < 0.0 or kv > 1.5:
+    kv = _load_field(msg, "kv_cache_usage")
+    if kv is not None and (not math.isfinite(kv) or kv < 0.0 or kv > MAX_KV_USAGE):
         raise SnapshotRejected("bad_load", "kv_cache_usage out of range")
+    if msg.kv_blocks_total > MAX_KV_BLOCKS:
+        raise SnapshotRejected("bad_load", "kv_blocks_total out of range")
     if msg.kv_blocks_free > msg.kv_blocks_total:
         raise SnapshotRejected("bad_load", "kv_blocks_free > kv_blocks_total")
     weight = msg.capacity_weight or 1.0
@@ -129,9 +150,9 @@ def validate(
         lora_adapters=frozenset(msg.lora_adapters),
         readiness=msg.readiness,
         weight=weight,
-        num_running=msg.num_running,
-        num_waiting=msg.num_waiting,
-        kv_cache_usage=min(kv, 1.0),
+        num_running=None if running is None else int(running),
+        num_waiting=None if waiting is None else int(waiting),
+        kv_cache_usage=None if kv is None else min(kv, 1.0),
         kv_blocks_total=msg.kv_blocks_total,
         kv_blocks_free=msg.kv_blocks_free,
         block_size=msg.block_size,
@@ -143,7 +164,18 @@ def validate(
         sequence=msg.sequence,
         published_at=published,
         expires_at=published + msg.ttl_ms / 1000.0,
+        max_lora=msg.max_lora if msg.HasField("max_lora") and msg.max_lora <= MAX_LORA_SLOTS else None,
+        gpu_utilization=_fraction(msg, "gpu_utilization"),
+        gpu_memory_usage=_fraction(msg, "gpu_memory_usage"),
     )
+
+
+def _load_field(msg: spb.UpstreamSnapshot, name: str) -> float | None:
+    """A load field's value, or None when unknown. Writers that set `load_presence` leave a field
+    unset when the engine did not report it; older writers could not say, so unset means 0 there."""
+    if msg.load_presence and not msg.HasField(name):
+        return None
+    return float(getattr(msg, name))
 
 
 def _fraction(msg: spb.UpstreamSnapshot, name: str) -> float | None:
@@ -157,4 +189,4 @@ def _seconds(msg: spb.UpstreamSnapshot, name: str) -> float | None:
     if not msg.HasField(name):
         return None
     v = getattr(msg, name)
-    return v if math.isfinite(v) and 0.0 <= v < 3600.0 else None
+    return v if math.isfinite(v) and 0.0 <= v < MAX_LATENCY_S else None

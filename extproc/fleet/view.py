@@ -3,18 +3,28 @@
 Writers (the Redis feed) call `apply`; a background task calls `rebuild` when something changed and
 periodically for expiry. Readers on the request path only do dict lookups on the derived tables, so a
 decision never waits on Redis or on a rebuild.
+
+Two rules keep one broken instance from hurting the others:
+- Unknown load is not idle load. An instance whose engine did not report its queue or KV usage gets
+  the fleet's median for that figure (queues per unit of capacity weight), and the upstream's `Load`
+  names the estimated fields in `unknown`, so scorers may discount them.
+- A slightly late READY snapshot beats a 503. When a model has no fresh READY instance (say one
+  neighbour is DOWN and the publisher was late for the rest), READY snapshots that expired less than
+  `stale_ready_grace_ttls` of their own TTL ago are the candidates; each such decision is counted.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypedDict
 
 from extproc.fleet.accounting import InFlight
 from extproc.fleet.pool import Pool, RoutingMode, Upstream
 from extproc.fleet.snapshots import InstanceState
-from extproc.settings import FORGET_AFTER_S
+from extproc.settings import FORGET_AFTER_S, STALE_READY_GRACE_TTLS
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,6 +42,47 @@ class Load:
     block_size: int = 0  # tokens per KV block (the largest among the instances)
     epoch: int = 0  # bumped when an instance behind this upstream changes readiness (a restart goes
     # through DOWN or WARMING_UP): what a model of its cache learned before is gone
+    unknown: frozenset[str] = frozenset()  # of num_running / num_waiting / kv_cache_usage: figures
+    # some instance here did not report, filled in with the fleet median (never with 0)
+    stale: bool = False  # from READY snapshots past their TTL, used within the stale-READY grace
+    # LoRA: adapters with running or waiting requests on some instance here (the union); adapter slots
+    # summed over the instances that publish them (0: none does) and, of those, the slots not taken
+    # by a listed adapter (each instance counted alone, so one full instance cannot hide a free one).
+    lora_adapters: frozenset[str] = frozenset()
+    lora_slots: int = 0
+    lora_slots_free: int = 0
+    gpu_utilization: float | None = None  # the busiest GPU's, 0..1; None: no instance publishes it
+    gpu_memory_usage: float | None = None  # the fullest GPU's, 0..1
+    ttft_s: float | None = None  # engine-reported mean TTFT over the last publish interval, averaged
+    tpot_s: float | None = None  # over the instances that report it; None: none does
+
+
+@dataclass(slots=True, frozen=True)
+class _Typical:
+    """Fleet medians used in place of figures an instance did not report (queues per unit weight)."""
+
+    running_per_weight: float = 0.0
+    waiting_per_weight: float = 0.0
+    kv_cache_usage: float = 0.0
+
+    @classmethod
+    def of(cls, instances: Iterable[InstanceState]) -> _Typical:
+        running: list[float] = []
+        waiting: list[float] = []
+        kv: list[float] = []
+        for i in instances:
+            if i.num_running is not None:
+                running.append(i.num_running / i.weight)
+            if i.num_waiting is not None:
+                waiting.append(i.num_waiting / i.weight)
+            if i.kv_cache_usage is not None:
+                kv.append(i.kv_cache_usage)
+        # With no instance reporting a figure, every candidate gets the same 0: neutral between them.
+        return cls(
+            statistics.median(running) if running else 0.0,
+            statistics.median(waiting) if waiting else 0.0,
+            statistics.median(kv) if kv else 0.0,
+        )
 
 
 class FleetView:
@@ -40,9 +91,11 @@ class FleetView:
         pool: Pool,
         clock: Callable[[], float] = time.time,
         own_count: Callable[[str], int] = lambda _: 0,
+        stale_ready_grace_ttls: float = STALE_READY_GRACE_TTLS,
     ) -> None:
         self.pool = pool
         self.clock = clock
+        self.stale_ready_grace_ttls = stale_ready_grace_ttls
         # This process's in-flight count per upstream id, sampled as each snapshot arrives: requests
         # above that level were sent after the engine's figures were taken (see SchedulingState).
         self.own_count = own_count
@@ -52,10 +105,12 @@ class FleetView:
         self.known_clusters = frozenset(self._static_models)
         self._instances: dict[str, InstanceState] = {}
         self._candidates: dict[str, tuple[Upstream, ...]] = {}
+        self._stale_ready: dict[str, tuple[Upstream, ...]] = {}
         self._fresh_models: frozenset[str] = frozenset()
         self._loads: dict[str, Load] = {}
         self.dirty = False
-        self.counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+        self.counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
+        self.stale_ready_decisions = 0  # candidates() answers served from the stale-READY grace
 
     # -- writers ---------------------------------------------------------------------------------
     def apply(self, state: InstanceState) -> bool:
@@ -87,14 +142,17 @@ class FleetView:
         by_model: dict[str, dict[str, None]] = {}  # model -> ordered set of upstream keys
         fresh_models: set[str] = set()
         groups: dict[str, list[InstanceState]] = {}
-        counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0}
+        late: list[InstanceState] = []  # READY, expired, still within the grace
+        counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
         for uid, inst in list(self._instances.items()):
             if not inst.fresh(now):
                 counts["stale"] += 1
-                if now - inst.expires_at > FORGET_AFTER_S:
+                if inst.ready and self._within_grace(inst, now):
+                    late.append(inst)
+                elif now - inst.expires_at > FORGET_AFTER_S:
                     del self._instances[uid]
                 continue
-            models = inst.models or self._static_models.get(inst.cluster, frozenset())
+            models = self._models(inst)
             fresh_models.update(models)
             if not inst.ready:
                 counts["fresh_not_ready"] += 1
@@ -106,41 +164,94 @@ class FleetView:
             groups.setdefault(key, []).append(inst)
             for m in models:
                 by_model.setdefault(m, {})[key] = None
+        # Late READY instances, only for models that fresh snapshots know but have no READY one for.
+        late_groups: dict[str, list[InstanceState]] = {}
+        late_by_model: dict[str, dict[str, None]] = {}
+        for inst in late:
+            wanted = [m for m in self._models(inst) if m in fresh_models and m not in by_model]
+            if not wanted or (endpoint_mode and inst.address is None):
+                continue
+            counts["stale_ready"] += 1
+            key = self._key(inst)
+            late_groups.setdefault(key, []).append(inst)
+            for m in wanted:
+                late_by_model.setdefault(m, {})[key] = None
+        typical = _Typical.of([i for insts in (*groups.values(), *late_groups.values()) for i in insts])
         upstreams: dict[str, Upstream] = {}
         loads: dict[str, Load] = {}
-        for key, insts in groups.items():
-            first = insts[0]
-            upstreams[key] = Upstream(
-                id=key,
-                cluster=first.cluster,
-                address=first.address if endpoint_mode else None,
-                weight=sum(i.weight for i in insts),
-            )
-            loads[key] = Load(
-                num_running=sum(i.num_running for i in insts),
-                num_waiting=sum(i.num_waiting for i in insts),
-                kv_cache_usage=max(i.kv_cache_usage for i in insts),
-                published_at=min(i.published_at for i in insts),
-                instances=len(insts),
-                own_at_snapshot=self._own_at_apply.get(key, 0),
-                kv_blocks_total=sum(i.kv_blocks_total for i in insts),
-                kv_blocks_free=sum(i.kv_blocks_free for i in insts),
-                block_size=max(i.block_size for i in insts),
-                epoch=self._epochs.get(key, 0),
-            )
+        for stale, table in ((False, groups), (True, late_groups)):
+            for key, insts in table.items():
+                if key in upstreams:  # cluster mode: the cluster's fresh instances speak for it
+                    continue
+                first = insts[0]
+                upstreams[key] = Upstream(
+                    id=key,
+                    cluster=first.cluster,
+                    address=first.address if endpoint_mode else None,
+                    weight=sum(i.weight for i in insts),
+                )
+                loads[key] = self._load(key, insts, typical, stale)
         self._candidates = {m: tuple(upstreams[k] for k in keys) for m, keys in by_model.items()}
+        self._stale_ready = {m: tuple(upstreams[k] for k in keys) for m, keys in late_by_model.items()}
         self._fresh_models = frozenset(fresh_models)
         self._loads = loads
         self.counts = counts
         self.dirty = False
 
+    def _models(self, inst: InstanceState) -> frozenset[str]:
+        return inst.models or self._static_models.get(inst.cluster, frozenset())
+
+    def _within_grace(self, inst: InstanceState, now: float) -> bool:
+        ttl = inst.expires_at - inst.published_at
+        return now - inst.expires_at < self.stale_ready_grace_ttls * ttl
+
+    def _load(self, key: str, insts: list[InstanceState], typical: _Typical, stale: bool) -> Load:
+        """One upstream's figures: counts summed, KV usage the fullest; unknown figures estimated."""
+        unknown: set[str] = set()
+        running = waiting = 0
+        kv = 0.0
+        for i in insts:
+            if i.num_running is None:
+                unknown.add("num_running")
+                running += round(typical.running_per_weight * i.weight)
+            else:
+                running += i.num_running
+            if i.num_waiting is None:
+                unknown.add("num_waiting")
+                waiting += round(typical.waiting_per_weight * i.weight)
+            else:
+                waiting += i.num_waiting
+            if i.kv_cache_usage is None:
+                unknown.add("kv_cache_usage")
+            kv = max(kv, typical.kv_cache_usage if i.kv_cache_usage is None else i.kv_cache_usage)
+        return Load(
+            num_running=running,
+            num_waiting=waiting,
+            kv_cache_usage=kv,
+            published_at=min(i.published_at for i in insts),
+            instances=len(insts),
+            own_at_snapshot=self._own_at_apply.get(key, 0),
+            kv_blocks_total=sum(i.kv_blocks_total for i in insts),
+            kv_blocks_free=sum(i.kv_blocks_free for i in insts),
+            block_size=max(i.block_size for i in insts),
+            epoch=self._epochs.get(key, 0),
+            unknown=frozenset(unknown),
+            stale=stale,
+            **_extra_signals(insts),
+        )
+
     # -- readers (request path) ------------------------------------------------------------------
     def candidates(self, model: str) -> tuple[Upstream, ...] | None:
         """Ready upstreams for `model`; () when fresh snapshots say none is ready; None when there is
-        no fresh information about the model at all (the caller falls back)."""
+        no fresh information about the model at all (the caller falls back). With no fresh READY
+        instance, READY snapshots within the stale-READY grace answer instead of ()."""
         found = self._candidates.get(model)
         if found is not None:
             return found
+        late = self._stale_ready.get(model)
+        if late:
+            self.stale_ready_decisions += 1
+            return late
         return () if model in self._fresh_models else None
 
     def load(self, upstream_id: str) -> Load | None:
@@ -151,6 +262,48 @@ class FleetView:
 
     def instances(self) -> dict[str, InstanceState]:
         return self._instances
+
+
+class _ExtraSignals(TypedDict):
+    lora_adapters: frozenset[str]
+    lora_slots: int
+    lora_slots_free: int
+    gpu_utilization: float | None
+    gpu_memory_usage: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
+    """LoRA adapters and slots, GPU utilisation and latency means of one upstream's instances."""
+    adapters: set[str] = set()
+    slots = free = 0
+    gpu: list[float] = []
+    memory: list[float] = []
+    ttft: list[float] = []
+    tpot: list[float] = []
+    for i in insts:
+        adapters.update(i.lora_adapters)
+        if i.max_lora is not None:
+            slots += i.max_lora
+            free += max(0, i.max_lora - len(i.lora_adapters))
+        if i.gpu_utilization is not None:
+            gpu.append(i.gpu_utilization)
+        if i.gpu_memory_usage is not None:
+            memory.append(i.gpu_memory_usage)
+        if i.ttft_s is not None:
+            ttft.append(i.ttft_s)
+        if i.tpot_s is not None:
+            tpot.append(i.tpot_s)
+    return {
+        "lora_adapters": frozenset(adapters),
+        "lora_slots": slots,
+        "lora_slots_free": free,
+        "gpu_utilization": max(gpu) if gpu else None,
+        "gpu_memory_usage": max(memory) if memory else None,
+        "ttft_s": sum(ttft) / len(ttft) if ttft else None,
+        "tpot_s": sum(tpot) / len(tpot) if tpot else None,
+    }
 
 
 class SchedulingState:

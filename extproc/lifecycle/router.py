@@ -2,7 +2,8 @@
 layer does the respond step and tells the lifecycle when the request ends.
 
 Everything here is in-memory: no network I/O happens on the request path. `route()` runs on the
-calling thread; `route_async()` awaits only to tokenize a long prompt on a worker thread.
+calling thread; `route_async()` awaits only to parse a big body in a worker process (bodies.py) and
+to tokenize a long prompt on a worker thread.
 """
 
 from __future__ import annotations
@@ -13,30 +14,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from extproc.config import ServiceConfig
 from extproc.fleet import FleetView, InFlight, Lease, SchedulingState, Upstream
-from extproc.openai import (
-    Api,
-    InferenceRequest,
-    RequestError,
-    RequestHead,
-    bodyless_request,
-    parse_body,
-    parse_head,
+from extproc.lifecycle.bodies import BodyParser
+from extproc.openai import InferenceRequest, RequestError, RequestHead, bodyless_request, parse_head
+from extproc.openai.errors import (
+    bad_request,
+    body_too_large,
+    no_upstream,
+    prompt_too_long,
+    unknown_model,
 )
-from extproc.openai.errors import bad_request, body_too_large, no_upstream, unknown_model
-from extproc.openai.parse import check_content_type
+from extproc.openai.parse import MODEL_APIS, parse_request
 from extproc.scheduling import Profile, profile_from_config
 from extproc.settings import FALLBACK_PROFILE
 from extproc.telemetry import Metrics
-from extproc.tokenization import ChatTemplateError, TokenizedPrompt, TokenizerRegistry
+from extproc.tokenization import ChatTemplateError, PromptTooLong, TokenizedPrompt, TokenizerRegistry
 
 log = logging.getLogger("extproc.lifecycle")
-
-# APIs whose requests must carry a JSON body naming a model.
-_MODEL_APIS = frozenset({Api.CHAT, Api.COMPLETION, Api.EMBEDDING})
 
 
 @dataclass(slots=True)
@@ -50,7 +45,7 @@ class Decision:
 class RequestLifecycle:
     """Turns one request (headers, then maybe a body) into a Decision or a RequestError."""
 
-    __slots__ = ("_warned", "config", "fallback", "inflight", "metrics", "state", "view")
+    __slots__ = ("_warned", "bodies", "config", "fallback", "inflight", "metrics", "state", "view")
 
     def __init__(self, config: ServiceConfig, metrics: Metrics, view: FleetView | None = None) -> None:
         self._warned: set[str] = set()
@@ -62,6 +57,11 @@ class RequestLifecycle:
             view.own_count = self.inflight.count  # sampled as snapshots arrive (SchedulingState.pending)
         self.state = SchedulingState(self.inflight, view)
         self.fallback = profile_from_config("fallback", FALLBACK_PROFILE)
+        self.bodies = BodyParser(config.bodies, config.max_body_bytes)
+
+    def close(self) -> None:
+        """Stop the body parser processes (the service calls this when it stops)."""
+        self.bodies.close()
 
     # -- parse -----------------------------------------------------------------------------------
     def read_head(self, headers: dict[str, str]) -> RequestHead:
@@ -100,22 +100,37 @@ class RequestLifecycle:
         args = self._tokenize_args(request)
         if args is not None:
             self._tokenized(request, self._tokenize(lambda: self._registry().tokenize(**args)))
-        return self._schedule(request, profile, started)
+        return self._routed(self._schedule(request, profile, started), body)
 
     async def route_async(
         self, head: RequestHead, body: bytes | None, profile: Profile | None = None
     ) -> Decision:
-        """As route(), for the event loop: a long prompt is encoded on a worker thread."""
+        """As route(), for the event loop: a big body is parsed in a worker process (bounded, see
+        bodies.py) and a long prompt is encoded on a worker thread; the decision is route()'s."""
         started = time.perf_counter()
-        request = self._parse(head, body)
+        if body is not None and self.bodies.is_big(body):
+            self.check_size(len(body))
+            keep = self.config.tokenizers is not None  # messages are only needed to tokenize
+            request = await self.bodies.parse(head, body, keep_messages=keep)
+        else:
+            request = self._parse(head, body)
         args = self._tokenize_args(request)
         if args is not None:
             try:
                 result = await self._registry().tokenize_async(**args)
             except ChatTemplateError as exc:
                 raise _template_error(exc) from None
+            except PromptTooLong as exc:
+                raise prompt_too_long(exc.max_model_len, exc.tokens, exact=exc.exact) from None
             self._tokenized(request, result)
-        return self._schedule(request, profile, started)
+        return self._routed(self._schedule(request, profile, started), body)
+
+    def _routed(self, decision: Decision, body: bytes | None) -> Decision:
+        """A big body's prompt is not kept while the request runs (plugins have seen it: their
+        on_pick hooks ran; on_finish gets the same request object, without its prompt)."""
+        if self.bodies.is_big(body):
+            decision.request.release_prompt()
+        return decision
 
     # -- tokenize --------------------------------------------------------------------------------
     def _registry(self) -> TokenizerRegistry:
@@ -129,7 +144,7 @@ class RequestLifecycle:
             return None
         if request.messages is not None:
             return {"model": request.model, "messages": request.messages}
-        if request.api in _MODEL_APIS:
+        if request.api in MODEL_APIS:
             return {"model": request.model, "prompt": request.prompt_text}
         return None
 
@@ -139,6 +154,8 @@ class RequestLifecycle:
             return run()
         except ChatTemplateError as exc:
             raise _template_error(exc) from None
+        except PromptTooLong as exc:
+            raise prompt_too_long(exc.max_model_len, exc.tokens, exact=exc.exact) from None
 
     def _tokenized(self, request: InferenceRequest, result: TokenizedPrompt) -> None:
         m = self.metrics
@@ -210,30 +227,16 @@ class RequestLifecycle:
         return None
 
     def _parse(self, head: RequestHead, body: bytes | None) -> InferenceRequest:
-        if body is None or (not body and head.api not in _MODEL_APIS):
-            if head.api in _MODEL_APIS:
+        """On the calling thread (route(), and small bodies in route_async())."""
+        if body is None or (not body and head.api not in MODEL_APIS):
+            if head.api in MODEL_APIS:
                 raise bad_request("This endpoint requires a JSON request body.", code="missing_body")
             return bodyless_request(head)
         self.check_size(len(body))
-        if head.api in _MODEL_APIS:
-            return parse_body(head, body)
-        return _parse_other(head, body)
+        return parse_request(head, body)
 
 
 def _template_error(exc: ChatTemplateError) -> RequestError:
     """The model's chat template rejected the messages (e.g. roles that must alternate): the client's
     request is at fault, as with the engine itself, which would answer 400 too."""
     return bad_request(f"The chat template rejected the messages: {str(exc)[:300]}", code="invalid_messages")
-
-
-def _parse_other(head: RequestHead, body: bytes) -> InferenceRequest:
-    """Paths we do not model (/v1/responses, /tokenize, ...): route by 'model' when the JSON has one,
-    otherwise pass the request through to any upstream."""
-    try:
-        check_content_type(head)
-        doc = orjson.loads(body)
-    except (RequestError, orjson.JSONDecodeError):
-        return bodyless_request(head)
-    if isinstance(doc, dict) and "model" in doc:
-        return parse_body(head, body)
-    return bodyless_request(head)

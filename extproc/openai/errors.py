@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 
@@ -28,6 +30,13 @@ class RequestError(Exception):
         self.param = param
         self.retry_after = retry_after
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Picklable, so a worker process can raise it (the default would pass only the message)."""
+        return (
+            _rebuild,
+            (self.status, self.message, self.err_type, self.code, self.param, self.retry_after),
+        )
+
     def body(self) -> bytes:
         """The JSON error body. Never echoes request content beyond short, sanitised field names."""
         return orjson.dumps(
@@ -40,6 +49,12 @@ class RequestError(Exception):
                 }
             }
         )
+
+
+def _rebuild(
+    status: int, message: str, err_type: str, code: str | None, param: str | None, retry_after: int | None
+) -> RequestError:
+    return RequestError(status, message, err_type=err_type, code=code, param=param, retry_after=retry_after)
 
 
 def bad_request(message: str, *, param: str | None = None, code: str = "invalid_request") -> RequestError:
@@ -72,6 +87,29 @@ def no_upstream(model: str | None) -> RequestError:
         f"No upstream is available for {what}.",
         err_type="service_unavailable_error",
         code="no_upstream",
+        retry_after=1,
+    )
+
+
+def prompt_too_long(max_model_len: int, tokens: int, *, exact: bool) -> RequestError:
+    """The prompt cannot fit the model's context (413, as for a body over the limit): `tokens` is
+    its exact count, or a proven lower bound when the prompt was refused before being encoded."""
+    count = f"{tokens}" if exact else f"at least {tokens}"
+    return RequestError(
+        413,
+        f"This model's maximum context length is {max_model_len} tokens; the prompt has {count} tokens.",
+        code="context_length_exceeded",
+    )
+
+
+def parser_failed() -> RequestError:
+    """The worker process parsing a big body died (killed, out of memory): the request may be fine,
+    so a retry is invited; the pool is replaced for the next request."""
+    return RequestError(
+        503,
+        "The gateway failed to parse the request body (a parser process died); retry the request.",
+        err_type="service_unavailable_error",
+        code="body_parser_failed",
         retry_after=1,
     )
 

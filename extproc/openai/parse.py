@@ -6,6 +6,8 @@ so fields this parser does not know (tools, response_format, ...) reach the engi
 
 from __future__ import annotations
 
+import contextlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -32,6 +34,7 @@ _API_BY_PATH: dict[str, Api] = {
 }
 
 MAX_MODEL_NAME = 256
+Body = bytes | bytearray | memoryview  # what orjson reads: a worker parses from shared memory
 
 
 @dataclass(slots=True)
@@ -67,6 +70,14 @@ class InferenceRequest:
     """Chat messages as validated here: what the tokenization stage renders with the chat template."""
     prompt_tokens: int | None = None
     """Set by the tokenization stage: exact with a tokenizer, else None (plugins estimate)."""
+
+    def release_prompt(self) -> None:
+        """Drop the prompt (text, messages, token ids) once the request is routed, so that a routed
+        request, held until its response ends, does not keep a 15 MB prompt alive all that time.
+        The counts (`prompt_tokens`, `body_bytes`) and every other field stay."""
+        self.prompt_text = ""
+        self.messages = None
+        self.prompt_token_ids = None
 
 
 def api_for_path(path: str) -> Api:
@@ -123,7 +134,11 @@ def check_content_type(head: RequestHead) -> None:
         )
 
 
-def parse_body(head: RequestHead, body: bytes) -> InferenceRequest:
+MODEL_APIS = frozenset({Api.CHAT, Api.COMPLETION, Api.EMBEDDING})
+"""APIs whose requests must carry a JSON body naming a model."""
+
+
+def parse_body(head: RequestHead, body: Body) -> InferenceRequest:
     """Parse and type-check a JSON body. Raises RequestError (400) on anything malformed."""
     check_content_type(head)
     try:
@@ -132,6 +147,41 @@ def parse_body(head: RequestHead, body: bytes) -> InferenceRequest:
         raise bad_request(
             f"Request body is not valid JSON ({_short(str(exc))}).", code="invalid_json"
         ) from None
+    return _from_doc(head, doc, len(body))
+
+
+def parse_request(head: RequestHead, body: Body) -> InferenceRequest:
+    """A non-empty body, whatever the path: parse_body() for the model APIs; other paths
+    (/v1/responses, /tokenize, ...) are routed by 'model' when the body is a JSON object that has
+    one, and otherwise passed through to any upstream (never refused here)."""
+    if head.api in MODEL_APIS:
+        return parse_body(head, body)
+    try:
+        check_content_type(head)
+        doc = orjson.loads(body)
+    except (RequestError, orjson.JSONDecodeError):
+        return bodyless_request(head)
+    if isinstance(doc, dict) and "model" in doc:
+        return _from_doc(head, doc, len(body))
+    return bodyless_request(head)
+
+
+def parse_detached(head: RequestHead, body: Body, keep_messages: bool) -> InferenceRequest:
+    """parse_request() for a worker process, whose result is pickled back: token ids become a
+    uint32 array (a pickled list of millions of ints costs the receiver ~100 ms holding the GIL; an
+    array is one copy), and `messages` is dropped unless the caller tokenizes them. Raises
+    RequestError as parse_request() does."""
+    request = parse_request(head, body)
+    ids = request.prompt_token_ids
+    if isinstance(ids, list) and ids:
+        with contextlib.suppress(OverflowError):  # ids outside uint32 stay as sent
+            request.prompt_token_ids = array("I", ids)
+    if not keep_messages:
+        request.messages = None
+    return request
+
+
+def _from_doc(head: RequestHead, doc: Any, body_bytes: int) -> InferenceRequest:
     if not isinstance(doc, dict):
         raise bad_request("Request body must be a JSON object.", code="invalid_json")
 
@@ -177,7 +227,7 @@ def parse_body(head: RequestHead, body: bytes) -> InferenceRequest:
         session=head.session,
         user=head.user or user,
         priority=head.priority,
-        body_bytes=len(body),
+        body_bytes=body_bytes,
         messages=messages,
     )
 

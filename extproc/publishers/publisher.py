@@ -1,8 +1,12 @@
-"""`llm-extproc publish`: scrape each engine's /metrics on an interval and publish normalised
-snapshots to Redis (SET with TTL + PUBLISH), for any number of service replicas to follow.
+"""`llm-extproc publish`: scrape each engine's /metrics and publish normalised snapshots to Redis
+(SET with TTL + PUBLISH), for any number of service replicas to follow.
 
-Instances come from a config file or from Envoy's admin API (clusters that carry `llm-extproc`
-filter metadata in envoy.yaml), so envoy.yaml can stay the single source of truth.
+Every instance has its own task, schedule and deadline: it is scraped and its snapshot written as soon
+as that scrape ends, stamped when written. One engine that hangs, answers garbage or crashes the code
+that reads it costs only its own snapshot (published DOWN, WARMING_UP or with fields left unknown) and
+a counter; the others keep arriving fresh. Instances come from a config file or from Envoy's admin API
+(clusters that carry `llm-extproc` filter metadata in envoy.yaml), so envoy.yaml can stay the single
+source of truth; tasks start and stop as that set changes.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,17 +29,35 @@ import yaml
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.pool import parse_endpoint
 from extproc.fleet.redis_feed import redis_client
-from extproc.publishers.engines import ENGINE_METRICS, EngineLoad, normalize
+from extproc.fleet.snapshots import (
+    MAX_BLOCK_SIZE,
+    MAX_ID_LEN,
+    MAX_KV_BLOCKS,
+    MAX_KV_USAGE,
+    MAX_LATENCY_S,
+    MAX_LORA_SLOTS,
+    MAX_MODEL_LEN,
+    MAX_MODELS,
+    MAX_QUEUE,
+)
+from extproc.publishers.engines import ENGINE_METRICS, EngineLoad, GpuReading, normalize, normalize_dcgm
+from extproc.publishers.metrics import MetricsEndpoint, PublisherMetrics
 from extproc.settings import (
     DEFAULT_DISCOVERY_INTERVAL_S,
     DEFAULT_PUBLISH_INTERVAL_S,
     DEFAULT_SCRAPE_TIMEOUT_S,
+    DISCOVERY_TIMEOUT_S,
     ENV_REDIS_PASSWORD,
+    MAX_HEALTH_BYTES,
+    MAX_METRICS_BYTES,
     MAX_TTL_MS,
     MIN_TTL_MS,
+    PUBLISH_WRITE_TIMEOUT_S,
+    SCRAPE_TIMEOUT_SHARE,
     ConfigError,
     RedisSettings,
     check_keys,
+    listen_address,
     mapping,
     number,
     redis_settings,
@@ -43,6 +67,7 @@ from extproc.settings import (
 log = logging.getLogger("extproc.publisher")
 
 METADATA_NAMESPACE = "llm-extproc"
+LOAD_FIELDS = ("num_running", "num_waiting", "kv_cache_usage")  # any one of them makes a load signal
 
 
 @dataclass(slots=True)
@@ -53,8 +78,18 @@ class InstanceSpec:
     models: tuple[str, ...] = ()
     capacity_weight: float = 1.0
     draining: bool = False
-    metrics_path: str = "/metrics"
+    metrics_path: str = ""  # "" means the engine's own default (e.g. /prometheus/metrics for trtllm-serve)
     health_path: str = "/health"
+    # An NVIDIA DCGM exporter that sees this instance's GPUs (e.g. "http://{host}:9400/metrics";
+    # {host} is the instance's IP), and which of its GPUs are this instance's (`gpu` indices or UUIDs;
+    # empty: all of them). "" : no GPU figures beyond what the engine itself publishes.
+    dcgm_url: str = ""
+    dcgm_gpus: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.metrics_path:
+            row = ENGINE_METRICS.get(self.engine)
+            self.metrics_path = row.metrics_path if row is not None else "/metrics"
 
     @property
     def upstream_id(self) -> str:
@@ -62,6 +97,11 @@ class InstanceSpec:
 
     def url(self, path: str) -> str:
         return f"http://{self.address}{path}"
+
+    def dcgm(self) -> str:
+        """The DCGM exporter's URL with {host} filled in ("" when none is configured)."""
+        host = self.address.rpartition(":")[0]
+        return self.dcgm_url.replace("{host}", host)
 
 
 @dataclass(slots=True)
@@ -72,20 +112,49 @@ class PublisherConfig:
     interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
     ttl_s: float | None = None
     discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
-    scrape_timeout_s: float = DEFAULT_SCRAPE_TIMEOUT_S
+    scrape_timeout_s: float | None = None  # None: derived from the interval (scrape_deadline_s)
+    metrics_listen: str | None = None  # host:port for the publisher's own /metrics; None: off
     publisher_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property
     def ttl_ms(self) -> int:
         return int((self.ttl_s if self.ttl_s is not None else max(3 * self.interval_s, 2.0)) * 1000)
 
+    @property
+    def scrape_deadline_s(self) -> float:
+        """One instance's whole scrape (health + metrics) must end within this: inside one interval."""
+        if self.scrape_timeout_s is not None:
+            return self.scrape_timeout_s
+        return min(DEFAULT_SCRAPE_TIMEOUT_S, SCRAPE_TIMEOUT_SHARE * self.interval_s)
+
+    def check(self) -> None:
+        """A scrape that may outlast the interval would make every snapshot of that instance late."""
+        if self.scrape_timeout_s is not None and self.scrape_timeout_s >= self.interval_s:
+            raise ConfigError(
+                f"publisher: 'scrape_timeout_s' ({self.scrape_timeout_s:g}) must be below 'interval_s' "
+                f"({self.interval_s:g}); leave it unset for min({DEFAULT_SCRAPE_TIMEOUT_S:g} s, "
+                f"{SCRAPE_TIMEOUT_SHARE:g} x interval)"
+            )
+
 
 @dataclass(slots=True)
 class _Previous:
+    """What one instance's earlier scrapes left behind: readiness history and cumulative counters."""
+
     ready_seen: bool = False
     ttft: tuple[float, float] | None = None
     tpot: tuple[float, float] | None = None
     prefix: tuple[float, float] | None = None
+
+
+@dataclass(slots=True)
+class ScrapeResult:
+    """One scrape of one instance. `outcome` is a metric label; `detail` becomes readiness_reason."""
+
+    health: int | None = None
+    load: EngineLoad | None = None
+    outcome: str = "ok"
+    detail: str = ""
 
 
 def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
@@ -105,6 +174,7 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
         raise ConfigError(f"publisher: unknown engine '{engine}' (known: {sorted(ENGINE_METRICS)})")
     models = string_list(raw.get("models", []), "publisher: 'models'")
     weight = number(raw.get("capacity_weight", 1.0), "publisher: 'capacity_weight'", positive=True)
+    dcgm_url, dcgm_gpus = _dcgm_settings(raw)
     return InstanceSpec(
         cluster=raw["cluster"],
         address=raw["address"],
@@ -112,9 +182,25 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
         models=tuple(models),
         capacity_weight=weight,
         draining=bool(raw.get("draining", False)),
-        metrics_path=str(raw.get("metrics_path", "/metrics")),
+        metrics_path=str(raw.get("metrics_path") or ENGINE_METRICS[engine].metrics_path),
         health_path=str(raw.get("health_path", "/health")),
+        dcgm_url=dcgm_url,
+        dcgm_gpus=dcgm_gpus,
     )
+
+
+def _dcgm_settings(raw: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """`dcgm_url` (http(s)://..., "{host}" allowed) and `dcgm_gpus` (GPU indices or UUIDs)."""
+    where = f"publisher: instance {raw['address']}"
+    url = raw.get("dcgm_url") or ""
+    if not isinstance(url, str) or (url and not url.startswith(("http://", "https://"))):
+        raise ConfigError(f"{where}: 'dcgm_url' must be an http:// or https:// URL")
+    gpus = raw.get("dcgm_gpus", [])
+    if not isinstance(gpus, list) or not all(
+        isinstance(g, str | int) and not isinstance(g, bool) for g in gpus
+    ):
+        raise ConfigError(f"{where}: 'dcgm_gpus' must be a list of GPU indices or UUIDs")
+    return url, tuple(str(g) for g in gpus)
 
 
 # Bounds of the publisher's timing settings (readers reject snapshots whose TTL is out of range:
@@ -123,7 +209,7 @@ _TIMINGS = (
     ("interval_s", 0.01, 3600.0),
     ("ttl_s", MIN_TTL_MS / 1000, MAX_TTL_MS / 1000),
     ("discovery_interval_s", 0.1, 86400.0),
-    ("scrape_timeout_s", 0.01, 600.0),
+    ("scrape_timeout_s", 0.005, 600.0),
 )
 
 
@@ -144,134 +230,414 @@ def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig
     for key, low, high in _TIMINGS:
         if raw.get(key) is not None:
             raw[key] = number(raw[key], f"publisher: '{key}'", minimum=low, maximum=high)
+    if raw.get("metrics_listen") is not None:
+        raw["metrics_listen"] = listen_address(raw["metrics_listen"], "publisher: 'metrics_listen'")
     cfg = PublisherConfig(redis=redis, instances=instances, **raw)
     if not cfg.instances and not cfg.envoy_admin:
         raise ConfigError("publisher: give 'instances' or 'envoy_admin' (Envoy admin URL for discovery)")
+    cfg.check()
     return cfg
 
 
 class Publisher:
-    def __init__(self, config: PublisherConfig) -> None:
+    """Runs one scrape-and-publish task per instance; `instances` may change while it runs (Envoy
+    discovery replaces it, callers may append) and tasks follow within one interval."""
+
+    def __init__(self, config: PublisherConfig, metrics: PublisherMetrics | None = None) -> None:
+        config.check()
         self.config = config
         self.instances: list[InstanceSpec] = list(config.instances)
         self.sequence = int(time.time() * 1000)  # increasing across restarts of this publisher id
-        self._prev: dict[str, _Previous] = {}
+        self.metrics = metrics or PublisherMetrics()
         self.published = 0
+        self.metrics_port: int | None = None  # where /metrics listens once run() started it
+        self._prev: dict[str, _Previous] = {}
+        self._specs: dict[str, InstanceSpec] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._failing: set[str] = set()  # instances whose last cycle raised (log once, not per tick)
+        self._redis_ok = True
 
+    # -- supervision -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
+        endpoint = (
+            MetricsEndpoint(self.metrics, self.config.metrics_listen) if self.config.metrics_listen else None
+        )
+        self.metrics_port = endpoint.port if endpoint is not None else None
         client = redis_client(self.config.redis)
-        timeout = aiohttp.ClientTimeout(total=self.config.scrape_timeout_s)
         loop = asyncio.get_running_loop()
         next_discovery = 0.0
+        # No session-wide timeout: each scrape has its own deadline (scrape_deadline_s).
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.scrape_deadline_s)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+            ) as session:
                 while not stop.is_set():
-                    started = loop.time()
-                    if self.config.envoy_admin and started >= next_discovery:
-                        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                            self.instances = await discover_from_envoy(session, self.config.envoy_admin)
-                        next_discovery = started + self.config.discovery_interval_s
-                    await self.tick(session, client)
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(
-                            stop.wait(), max(0.0, self.config.interval_s - (loop.time() - started))
-                        )
+                    if self.config.envoy_admin and loop.time() >= next_discovery:
+                        await self._discover(session, self.config.envoy_admin)
+                        next_discovery = loop.time() + self.config.discovery_interval_s
+                    self._reconcile(session, client)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.config.interval_s)
+                await self._stop_tasks()
         finally:
+            await self._stop_tasks()
             await client.aclose()
+            if endpoint is not None:
+                endpoint.close()
+
+    async def _discover(self, session: aiohttp.ClientSession, admin: str) -> None:
+        """Replace `instances` from Envoy; on any failure keep the last known set."""
+        try:
+            async with asyncio.timeout(DISCOVERY_TIMEOUT_S):
+                self.instances = await discover_from_envoy(session, admin)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("envoy discovery failed (keeping %d instances): %s", len(self.instances), exc)
+
+    def _reconcile(self, session: aiohttp.ClientSession, client: Any) -> None:
+        """One task per listed instance: start the new, stop the gone, restart any that ended."""
+        self._specs = {spec.upstream_id: spec for spec in self.instances}
+        for uid, task in list(self._tasks.items()):
+            if uid in self._specs and not task.done():
+                continue
+            del self._tasks[uid]
+            self._retire(task)
+            if uid not in self._specs:
+                self._prev.pop(uid, None)
+                self._failing.discard(uid)
+                self.metrics.forget(uid)
+        for uid in self._specs:
+            if uid not in self._tasks:
+                self._tasks[uid] = asyncio.create_task(
+                    self._instance_loop(uid, session, client), name=f"publish {uid}"
+                )
+        self.metrics.instances.set(len(self._tasks))
+
+    def _retire(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _stop_tasks(self) -> None:
+        for task in self._tasks.values():
+            self._retire(task)
+        self._tasks.clear()
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    async def _instance_loop(self, uid: str, session: aiohttp.ClientSession, client: Any) -> None:
+        """Scrape and publish one instance every interval, on its own clock, for as long as it is listed."""
+        loop = asyncio.get_running_loop()
+        interval = self.config.interval_s
+        # Spread the instances over the interval: N scrapes and writes do not all land at once.
+        next_at = loop.time() + (zlib.crc32(uid.encode()) % 1000) / 1000 * interval
+        while True:
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            spec = self._specs.get(uid)
+            if spec is None:
+                return
+            await self.cycle(session, client, spec, scheduled=next_at)
+            next_at += interval
+            behind = loop.time() - next_at
+            if behind > 0:  # a slow Redis write: skip the missed ticks instead of bursting
+                next_at += math.ceil(behind / interval) * interval
 
     async def tick(self, session: aiohttp.ClientSession, client: Any) -> list[spb.UpstreamSnapshot]:
-        snaps = await asyncio.gather(*(self.scrape(session, spec) for spec in self.instances))
-        try:
-            async with client.pipeline(transaction=False) as pipe:
-                for snap in snaps:
-                    data = snap.SerializeToString()
-                    pipe.set(self.config.redis.key(snap.upstream_id), data, px=snap.ttl_ms)
-                    pipe.publish(self.config.redis.channel, data)
-                await pipe.execute()
-            self.published += len(snaps)
-        except Exception as exc:  # Redis down: keep scraping; the next tick retries
-            log.warning("publish failed: %s", exc)
-        return list(snaps)
+        """One round over every instance, each published as soon as its own scrape ends (tests, tools)."""
+        self._specs = {spec.upstream_id: spec for spec in self.instances}
+        snaps = await asyncio.gather(*(self.cycle(session, client, spec) for spec in self.instances))
+        return [s for s in snaps if s is not None]
 
-    async def scrape(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> spb.UpstreamSnapshot:
-        prev = self._prev.setdefault(spec.upstream_id, _Previous())
-        health: int | None = None
-        load: EngineLoad | None = None
+    # -- one instance ------------------------------------------------------------------------------
+    async def cycle(
+        self,
+        session: aiohttp.ClientSession,
+        client: Any,
+        spec: InstanceSpec,
+        scheduled: float | None = None,
+    ) -> spb.UpstreamSnapshot | None:
+        """Scrape, build and write one instance's snapshot. Never raises (but for cancellation): an
+        unexpected error is logged and counted, and the instance simply misses this tick."""
+        loop = asyncio.get_running_loop()
+        started = loop.time() if scheduled is None else scheduled
+        uid = spec.upstream_id
         try:
-            async with session.get(spec.url(spec.health_path)) as r:
-                health = r.status
-                await r.read()
-            async with session.get(spec.url(spec.metrics_path)) as r:
-                if r.status == 200:
-                    load = normalize(spec.engine, await r.text())
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            result = await self.scrape(session, spec)
+            snap = self.snapshot(
+                spec,
+                result.health,
+                result.load,
+                self._prev.setdefault(uid, _Previous()),
+                detail=result.detail,
+            )
+            outcome = result.outcome
+            if outcome == "ok" and snap.readiness_reason == "no_load_signal":
+                outcome = "no_load_signal"
+            self.metrics.scrape(uid, outcome)
+            self._failing.discard(uid)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.metrics.scrape(uid, "error")
+            if uid not in self._failing:
+                log.exception("publisher: scraping %s failed; its task carries on", uid)
+            self._failing.add(uid)
+            return None
+        await self.publish(client, snap, started)
+        return snap
+
+    async def scrape(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> ScrapeResult:
+        """GET /health then /metrics, both within one deadline; parsing happens after it. A DCGM
+        exporter, when configured, is read at the same time, under the same deadline; whatever happens
+        to it only leaves the GPU figures unknown."""
+        gpu = asyncio.create_task(self.scrape_dcgm(session, spec)) if spec.dcgm_url else None
+        try:
+            result = await self._scrape_engine(session, spec)
+            if gpu is not None and result.load is not None:
+                _apply_gpu(result.load, await gpu)
+        finally:
+            if gpu is not None and not gpu.done():
+                gpu.cancel()
+        return result
+
+    async def scrape_dcgm(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> GpuReading:
+        """This instance's GPUs from its DCGM exporter; never raises (but for cancellation)."""
+        reason = "dcgm_error"
+        try:
+            async with asyncio.timeout(self.config.scrape_deadline_s):
+                async with session.get(spec.dcgm()) as r:
+                    body = await r.content.read(MAX_METRICS_BYTES + 1)
+                    if r.status != 200 or len(body) > MAX_METRICS_BYTES:
+                        raise ValueError(f"status {r.status}, {len(body)} bytes")
+            reason = "dcgm_bad_metrics"
+            reading = normalize_dcgm(body.decode("utf-8", errors="replace"), spec.dcgm_gpus)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            return GpuReading(rejected=[("gpu_utilization", "dcgm_timeout")])
+        except Exception as exc:
+            log.debug("dcgm scrape for %s failed: %s", spec.upstream_id, exc)
+            return GpuReading(rejected=[("gpu_utilization", reason)])
+        if reading.gpus == 0:
+            reading.rejected.append(("gpu_utilization", "dcgm_no_gpu"))
+        return reading
+
+    async def _scrape_engine(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> ScrapeResult:
+        result = ScrapeResult()
+        text: str | None = None
+        try:
+            async with asyncio.timeout(self.config.scrape_deadline_s):
+                async with session.get(spec.url(spec.health_path)) as r:
+                    result.health = r.status
+                    await r.content.read(MAX_HEALTH_BYTES)
+                async with session.get(spec.url(spec.metrics_path)) as r:
+                    body = await r.content.read(MAX_METRICS_BYTES + 1)
+                    if r.status != 200:
+                        result.outcome, result.detail = "metrics_error", f"metrics_status_{r.status}"
+                    elif len(body) > MAX_METRICS_BYTES:
+                        result.outcome, result.detail = "metrics_error", "metrics_too_large"
+                    else:
+                        text = body.decode("utf-8", errors="replace")
+        except TimeoutError:
+            result.outcome, result.detail = "timeout", "timeout"
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            result.outcome = "unreachable" if result.health is None else "metrics_error"
+            result.detail = result.outcome
             log.debug("scrape %s failed: %s", spec.upstream_id, exc)
-        return self.snapshot(spec, health, load, prev)
+        if result.health is not None and result.health != 200 and result.outcome == "ok":
+            result.outcome = "health_not_ok"
+        if text is not None:
+            try:
+                result.load = normalize(spec.engine, text)
+            except ValueError as exc:
+                result.outcome, result.detail = "metrics_error", "bad_metrics"
+                log.debug("scrape %s: %s", spec.upstream_id, exc)
+        return result
 
     def snapshot(
-        self, spec: InstanceSpec, health: int | None, load: EngineLoad | None, prev: _Previous
+        self,
+        spec: InstanceSpec,
+        health: int | None,
+        load: EngineLoad | None,
+        prev: _Previous,
+        *,
+        detail: str = "",
     ) -> spb.UpstreamSnapshot:
-        if health is None:
-            readiness = spb.DOWN
-        elif spec.draining:
-            readiness = spb.DRAINING
-        elif health == 200 and load is not None:
-            readiness = spb.READY
-        else:
-            readiness = spb.DRAINING if prev.ready_seen and health != 200 else spb.WARMING_UP
-        prev.ready_seen = prev.ready_seen or readiness == spb.READY
+        """The snapshot for one scrape. Values out of range are left out (unknown) and counted; an
+        instance with no load signal at all is not READY: unknown load must never look idle."""
+        uid = spec.upstream_id
         self.sequence += 1
         snap = spb.UpstreamSnapshot(
-            upstream_id=spec.upstream_id,
+            upstream_id=uid,
             cluster=spec.cluster,
             address=spec.address,
             engine=spec.engine,
-            models=list(spec.models or (load.models if load else [])),
-            readiness=readiness,
             capacity_weight=spec.capacity_weight,
             publisher_id=self.config.publisher_id,
             sequence=self.sequence,
-            published_at_ms=int(time.time() * 1000),
+            published_at_ms=int(time.time() * 1000),  # stamped again when written
             ttl_ms=self.config.ttl_ms,
+            load_presence=True,
         )
+        rejected: list[tuple[str, str]] = []
         if load is not None:
-            _fill_load(snap, load, prev)
+            rejected = _fill_load(snap, load, prev)
+            snap.lora_adapters.extend(_names(load.lora_adapters, "lora_adapters", rejected))
+        configured = list(spec.models) or (load.models if load is not None else [])
+        snap.models.extend(_names(configured, "models", rejected))
+        for name, reason in rejected:
+            self.metrics.reject(uid, name, reason)
+        signal = any(snap.HasField(f) for f in LOAD_FIELDS)
+        if health is None:
+            snap.readiness, snap.readiness_reason = spb.DOWN, detail or "unreachable"
+        elif spec.draining:
+            snap.readiness, snap.readiness_reason = spb.DRAINING, "draining"
+        elif health == 200 and load is not None and signal:
+            snap.readiness = spb.READY
+        else:
+            if health != 200:
+                reason = f"health_status_{health}"
+            elif load is None:
+                reason = detail or "no_metrics"
+            else:
+                reason = "no_load_signal"
+            snap.readiness = spb.DRAINING if prev.ready_seen and health != 200 else spb.WARMING_UP
+            snap.readiness_reason = reason
+        prev.ready_seen = prev.ready_seen or snap.readiness == spb.READY
         return snap
 
+    async def publish(self, client: Any, snap: spb.UpstreamSnapshot, started: float | None = None) -> bool:
+        """SET with the TTL and PUBLISH, stamped now; bounded so a hung Redis cannot hold the task."""
+        loop = asyncio.get_running_loop()
+        now = time.time()
+        snap.published_at_ms = int(now * 1000)
+        data = snap.SerializeToString()
+        try:
+            async with asyncio.timeout(PUBLISH_WRITE_TIMEOUT_S):
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.set(self.config.redis.key(snap.upstream_id), data, px=snap.ttl_ms)
+                    pipe.publish(self.config.redis.channel, data)
+                    await pipe.execute()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # Redis down or slow: keep scraping; the next tick retries
+            if self._redis_ok:
+                log.warning("publish failed (retrying every interval): %s", exc or type(exc).__name__)
+            self._redis_ok = False
+            self.metrics.published(snap.upstream_id, False, 0.0, now)
+            return False
+        if not self._redis_ok:
+            log.info("publish: Redis writes succeed again")
+        self._redis_ok = True
+        self.published += 1
+        lag = loop.time() - started if started is not None else 0.0
+        self.metrics.published(snap.upstream_id, True, lag, now)
+        return True
 
-def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) -> None:
-    snap.num_running = _count(load.num_running)
-    snap.num_waiting = _count(load.num_waiting)
-    if load.kv_cache_usage is not None:
-        snap.kv_cache_usage = max(0.0, load.kv_cache_usage)
-    elif load.kv_blocks_total and load.kv_blocks_free is not None:
-        snap.kv_cache_usage = 1.0 - load.kv_blocks_free / load.kv_blocks_total
-    if load.kv_blocks_total:
-        snap.kv_blocks_total = load.kv_blocks_total
-        free = load.kv_blocks_free
-        if free is None and load.kv_cache_usage is not None:
-            free = round(load.kv_blocks_total * (1.0 - min(1.0, load.kv_cache_usage)))
-        snap.kv_blocks_free = min(free or 0, load.kv_blocks_total)
-    snap.block_size = _count(load.block_size)
-    snap.max_model_len = _count(load.max_model_len)
-    if load.gpu_utilization is not None:
-        snap.gpu_utilization = load.gpu_utilization
+
+def _checked(name: str, value: float | None, high: float, rejected: list[tuple[str, str]]) -> float | None:
+    """`value` if it is a finite number in [0, high]; otherwise None, with the reason recorded."""
+    if value is None:
+        return None
+    if math.isnan(value):
+        reason = "nan"
+    elif math.isinf(value):
+        reason = "infinite"
+    elif value < 0:
+        reason = "negative"
+    elif value > high:
+        reason = "too_large"
+    else:
+        return value
+    rejected.append((name, reason))
+    return None
+
+
+def _names(values: list[str], name: str, rejected: list[tuple[str, str]]) -> list[str]:
+    """Model or adapter names readers accept: non-empty, at most MAX_ID_LEN long, at most MAX_MODELS
+    of them (more: the whole list is left out, so a reader falls back to its configured models)."""
+    out = []
+    for v in values:
+        if not v or len(v) > MAX_ID_LEN:
+            rejected.append((name, "bad_name"))
+        else:
+            out.append(v)
+    if len(out) > MAX_MODELS:
+        rejected.append((name, "too_many"))
+        return []
+    return out
+
+
+def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) -> list[tuple[str, str]]:
+    """Copy `load` into `snap` within the bounds readers accept, leaving out (unknown) what is not;
+    returns every (field, reason) left out, the engine-side rejections included. This is the last
+    gate before protobuf, whose own range errors (a uint64 overflow) must never be reached."""
+    rejected = list(load.rejected)
+    running = _checked("num_running", load.num_running, MAX_QUEUE, rejected)
+    if running is not None:
+        snap.num_running = int(running)
+    waiting = _checked("num_waiting", load.num_waiting, MAX_QUEUE, rejected)
+    if waiting is not None:
+        snap.num_waiting = int(waiting)
+    usage = _checked("kv_cache_usage", load.kv_cache_usage, MAX_KV_USAGE, rejected)
+    total = _checked("kv_blocks_total", load.kv_blocks_total, MAX_KV_BLOCKS, rejected)
+    free = _checked("kv_blocks_free", load.kv_blocks_free, MAX_KV_BLOCKS, rejected)
+    if free is not None and total is not None and free > total:
+        rejected.append(("kv_blocks_free", "above_total"))
+        free = None
+    if usage is None and total and free is not None:
+        usage = 1.0 - free / total
+    if usage is not None:
+        snap.kv_cache_usage = usage
+    if total:
+        if free is None and usage is not None:
+            free = round(total * (1.0 - min(1.0, usage)))
+        snap.kv_blocks_total = int(total)
+        snap.kv_blocks_free = int(min(free or 0, total))
+    block_size = _checked("block_size", load.block_size, MAX_BLOCK_SIZE, rejected)
+    if block_size is not None:
+        snap.block_size = int(block_size)
+    max_len = _checked("max_model_len", load.max_model_len, MAX_MODEL_LEN, rejected)
+    if max_len is not None:
+        snap.max_model_len = int(max_len)
+    gpu = _checked("gpu_utilization", load.gpu_utilization, MAX_KV_USAGE, rejected)
+    if gpu is not None:
+        snap.gpu_utilization = min(gpu, 1.0)  # readers take 0..1 (a sampled percent may read 100+)
+    memory = _checked("gpu_memory_usage", load.gpu_memory_usage, MAX_KV_USAGE, rejected)
+    if memory is not None:
+        snap.gpu_memory_usage = min(memory, 1.0)
+    slots = _checked("max_lora", load.max_lora, MAX_LORA_SLOTS, rejected)
+    if slots is not None:
+        snap.max_lora = int(slots)
     ttft, prev.ttft = _interval_mean(load.ttft_sum, load.ttft_count, prev.ttft)
+    ttft = _checked("ttft", ttft, MAX_LATENCY_S, rejected)
     if ttft is not None:
         snap.ttft_seconds = ttft
     tpot, prev.tpot = _interval_mean(load.tpot_sum, load.tpot_count, prev.tpot)
+    tpot = _checked("tpot", tpot, MAX_LATENCY_S, rejected)
     if tpot is not None:
         snap.tpot_seconds = tpot
     rate, prev.prefix = _interval_mean(load.prefix_cache_hits, load.prefix_cache_queries, prev.prefix)
     if rate is None:
         rate = load.prefix_cache_hit_rate
-    if rate is not None:
+    if rate is not None and math.isfinite(rate):
         snap.prefix_cache_hit_rate = min(1.0, max(0.0, rate))
+    return rejected
 
 
-def _count(v: float | int | None) -> int:
-    return max(0, min(int(v), 1_000_000)) if v is not None else 0
+def _apply_gpu(load: EngineLoad, reading: GpuReading) -> None:
+    """DCGM's figures replace the engine's own (Triton's nv_gpu_utilization): the operator chose them."""
+    if reading.utilization is not None:
+        load.gpu_utilization = reading.utilization
+    if reading.memory_usage is not None:
+        load.gpu_memory_usage = reading.memory_usage
+    load.rejected.extend(reading.rejected)
 
 
 def _interval_mean(
@@ -323,6 +689,8 @@ async def discover_from_envoy(session: aiohttp.ClientSession, admin: str) -> lis
                                     "capacity_weight",
                                     "metrics_path",
                                     "health_path",
+                                    "dcgm_url",
+                                    "dcgm_gpus",
                                 )
                                 if k in meta
                             },

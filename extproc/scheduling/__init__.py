@@ -1,5 +1,8 @@
 """Scheduling framework: filters -> weighted scorers -> picker, configured as named profiles."""
 
+from extproc.scheduling import gpu as _gpu  # noqa: F401
+from extproc.scheduling import latency as _latency  # noqa: F401
+from extproc.scheduling import lora as _lora  # noqa: F401
 from extproc.scheduling import plugins as _plugins  # noqa: F401  (registers the built-ins)
 from extproc.scheduling import predicted_ttft as _predicted_ttft  # noqa: F401
 from extproc.scheduling import prefix as _prefix  # noqa: F401

@@ -44,7 +44,7 @@ from extproc.openai import InferenceRequest
 from extproc.scheduling.cache_model import CacheModel, Placement
 from extproc.scheduling.framework import SCORERS, FleetState
 from extproc.scheduling.prefix import prefix_hashes
-from extproc.tokenization import block_hashes
+from extproc.tokenization import block_hashes, estimate_tokens
 
 BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
@@ -131,7 +131,7 @@ class PredictedTtftScorer:
         else:
             text = request.prompt_text
             hashes = prefix_hashes(text, self.block_tokens * BYTES_PER_TOKEN, self.max_blocks)
-            tokens = max(1, math.ceil(len(text.encode("utf-8", "surrogatepass")) / BYTES_PER_TOKEN))
+            tokens = max(1, estimate_tokens(text, BYTES_PER_TOKEN))  # no copy for ASCII text
         self._last = _Prediction(request, hashes, tokens)
         return self._last
 
@@ -155,7 +155,9 @@ class PredictedTtftScorer:
         sent = model.sent
         while sent and sent[0][0] < now - 60.0:
             sent.popleft()
-        if load is not None and load.published_at > model.snapshot_at:
+        if load is not None and load.published_at > model.snapshot_at and "num_waiting" not in load.unknown:
+            # (an estimated queue, the fleet's median standing in for one the engine did not
+            # report, says nothing about this engine: keep the model's own account)
             model.snapshot_at = load.published_at
             since = load.published_at
             # The queue as it would be had it been empty at the snapshot, then fed what was sent since.

@@ -27,7 +27,9 @@ def prefix_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
     """Chained hashes of the full `block_chars` blocks of `text` (at most `max_blocks`)."""
     out: list[bytes] = []
     parent = b""
-    data = text.encode("utf-8", "surrogatepass")
+    # Only the blocks hashed are encoded (a character is at least one byte, so this many characters
+    # cover them): a multi-megabyte prompt is not copied whole on the event loop.
+    data = text[: block_chars * max_blocks].encode("utf-8", "surrogatepass")
     for start in range(0, min(len(data) // block_chars, max_blocks) * block_chars, block_chars):
         parent = blake2b(parent + data[start : start + block_chars], digest_size=8).digest()
         out.append(parent)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
 from dataclasses import dataclass
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -16,6 +18,8 @@ from extproc.config import ServiceConfig
 from extproc.fleet import FleetView
 from extproc.fleet.redis_feed import RedisFeed
 from extproc.lifecycle import RequestLifecycle
+from extproc.server.completions import AccessLogReceiver, PendingReleases
+from extproc.server.relay import ReleaseRelay
 from extproc.server.stream import ExternalProcessor
 from extproc.settings import GIL_SWITCH_INTERVAL_S
 from extproc.telemetry import Metrics, MetricsServer
@@ -23,6 +27,8 @@ from extproc.telemetry import Metrics, MetricsServer
 log = logging.getLogger("extproc.server")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_DRAIN_POLL_S = 0.05
+_DRAIN_IDLE_POLLS = 3
 
 
 @dataclass(slots=True)
@@ -34,17 +40,107 @@ class RunningService:
     metrics: Metrics
     metrics_server: MetricsServer | None
     feed: RedisFeed | None = None
+    sweeper: asyncio.Task[None] | None = None  # releases access-log tickets that never came back
+    relay: ReleaseRelay | None = None
+    phase: str = "serving"  # serving -> announce -> drain -> stopped
 
-    async def stop(self, grace: float) -> None:
-        """Stop accepting streams, let open ones finish for up to `grace` seconds, then cancel them."""
+    async def stop(
+        self, grace: float, *, announce: float = 0.0, skip_announce: asyncio.Event | None = None
+    ) -> None:
+        """Shut down in phases (docs/operations.md, "Restarts and replica failure"):
+
+        1. announce: gRPC health NOT_SERVING (every service name), but new streams are still accepted
+           for `announce` seconds (cut short when `skip_announce` is set), so Envoy's health check
+           moves traffic to other replicas before anything is refused;
+        2. drain: stop accepting streams; open ext_proc streams get up to `grace` seconds to finish;
+        3. cancel: whatever is still open is cancelled; background work and /metrics are closed.
+        """
+        await self.announce(announce, skip_announce)
+        await self.drain(grace)
+        await self.close()
+
+    def open_streams(self) -> int:
+        """ext_proc streams this process is handling now."""
+        value = self.metrics.registry.get_sample_value("llm_extproc_active_streams")
+        return int(value or 0)
+
+    async def announce(self, seconds: float, skip: asyncio.Event | None = None) -> None:
+        self.phase = "announce"
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        log.info(
+            "shutdown 1/3 announce: health NOT_SERVING, still accepting streams for %.1fs "
+            "(%d open) so Envoy's health check moves traffic away",
+            seconds,
+            self.open_streams(),
+        )
+        if seconds <= 0:
+            return
+        skip = skip or asyncio.Event()
+        with contextlib.suppress(TimeoutError):  # the timeout is the normal end of the period
+            await asyncio.wait_for(skip.wait(), seconds)
+
+    async def drain(self, grace: float) -> None:
+        self.phase = "drain"
+        log.info(
+            "shutdown 2/3 drain: no new streams; %d open ext_proc streams get up to %.1fs to finish",
+            self.open_streams(),
+            grace,
+        )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stopping = asyncio.ensure_future(self.server.stop(grace))
+        # server.stop(grace) waits for every RPC, including long-lived streams that are not requests
+        # (Envoy's gRPC access-log stream, health Watch): once no ext_proc stream has been open for a
+        # few polls (a call accepted just before the stop may not have started its handler yet),
+        # cancel those instead of waiting out the whole grace period.
+        idle_polls = left = 0
+        while not stopping.done():
+            left = self.open_streams()
+            idle_polls = idle_polls + 1 if left == 0 else 0
+            if idle_polls >= _DRAIN_IDLE_POLLS:
+                break
+            await asyncio.wait({stopping}, timeout=_DRAIN_POLL_S)
+        if not stopping.done():
+            await self.server.stop(0)  # cancels every remaining call
+        await stopping
+        elapsed = loop.time() - started
+        if left and elapsed >= grace:
+            log.warning(
+                "shutdown 3/3 cancel: %d ext_proc streams still open after %.1fs were cancelled",
+                left,
+                elapsed,
+            )
+        else:
+            log.info("shutdown 3/3 cancel: drained in %.1fs, nothing left to cancel", elapsed)
+
+    async def close(self) -> None:
+        self.phase = "stopped"
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+        if self.relay is not None:
+            await self.relay.stop()
         if self.feed is not None:
             await self.feed.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
         if self.lifecycle.config.tokenizers is not None:
             self.lifecycle.config.tokenizers.close()
+        self.lifecycle.close()  # the body-parser worker processes
+
+
+def _completions(
+    config: ServiceConfig, lifecycle: RequestLifecycle, server: grpc.aio.Server
+) -> tuple[PendingReleases | None, ReleaseRelay | None, asyncio.Task[None] | None]:
+    """With `release_on: access_log`: the ticket table, Envoy's access-log receiver (relaying other
+    replicas' tickets through Redis when the fleet uses it), the sweeper."""
+    if config.release_on != "access_log":
+        return None, None, None
+    pending = PendingReleases(lifecycle, config.lease_timeout_s)
+    relay = ReleaseRelay(config.fleet, pending) if config.fleet is not None else None
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(
+        AccessLogReceiver(pending, config.headers.ticket, relay.forward if relay else None), server
+    )
+    return pending, relay, asyncio.get_running_loop().create_task(pending.sweep_forever())
 
 
 async def start(config: ServiceConfig) -> RunningService:
@@ -65,7 +161,10 @@ async def start(config: ServiceConfig) -> RunningService:
             ("grpc.so_reuseport", 1),
         ]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(lifecycle), server)
+    pending, relay, sweeper = _completions(config, lifecycle, server)
+    if relay is not None:
+        relay.start()
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(lifecycle, pending), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(config.listen)
@@ -84,18 +183,35 @@ async def start(config: ServiceConfig) -> RunningService:
         len(config.pool.clusters),
         ", ".join(config.pool.models()) or "*",
     )
-    return RunningService(server, port, health_servicer, lifecycle, metrics, metrics_server, feed)
+    return RunningService(
+        server, port, health_servicer, lifecycle, metrics, metrics_server, feed, sweeper, relay
+    )
 
 
 async def serve(config: ServiceConfig) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     running = await start(config)
-    stop = asyncio.Event()
+    first, again = asyncio.Event(), asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not first.is_set():
+            log.info(
+                "%s: shutting down (announce %.1fs, then drain up to %.1fs)",
+                sig.name,
+                config.shutdown_announce_s,
+                config.shutdown_grace_s,
+            )
+            first.set()
+        elif running.phase in ("serving", "announce"):
+            log.info("%s again: skipping the rest of the announce period", sig.name)
+            again.set()
+        else:
+            log.warning("%s: already draining; SIGKILL stops at once", sig.name)
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: draining open streams for up to %.0fs", config.shutdown_grace_s)
-    await running.stop(config.shutdown_grace_s)
+        loop.add_signal_handler(sig, on_signal, sig)
+    await first.wait()
+    await running.stop(config.shutdown_grace_s, announce=config.shutdown_announce_s, skip_announce=again)
     log.info("stopped")

@@ -22,9 +22,16 @@ def _set(key: str, value: str) -> HeaderValueOption:
     return HeaderValueOption(header=HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE)
 
 
-def routing_mutation(upstream: Upstream, names: HeaderNames) -> pb.HeaderMutation:
-    """Set the destination; in cluster mode also remove any endpoint header a client smuggled in."""
+def routing_mutation(
+    upstream: Upstream, names: HeaderNames, ticket: str | None = None, *, stream: bool = False
+) -> pb.HeaderMutation:
+    """Set the destination (plus the access-log ticket, and the streaming mark routes match on); in
+    cluster mode also remove any endpoint header a client smuggled in."""
     sets = [_set(names.destination_cluster, upstream.cluster)]
+    if ticket is not None:
+        sets.append(_set(names.ticket, ticket))
+    if stream:
+        sets.append(_set(names.stream, "1"))
     removes: list[str] = []
     if upstream.address is not None:
         sets.append(_set(names.destination_endpoint, upstream.address))

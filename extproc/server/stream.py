@@ -5,8 +5,11 @@ FULL_DUPLEX_STREAMED: Envoy sends headers and body chunks without waiting; we ho
 until the body is complete, then send headers (with the route) and give the body back, because in
 this mode Envoy keeps no copy. Bodyless requests are routed in the headers reply.
 
-After routing, the stream stays open while response phases arrive; the in-flight lease is released
-at the end of the response (response trailers / last body chunk) or when the stream closes.
+Releasing the in-flight lease: with `release_on: stream_end` the stream stays open while response
+phases arrive and the lease is released at the end of the response (response trailers / last body
+chunk) or when the stream closes, so the response depends on this stream. With `release_on:
+access_log` the routed request carries a ticket, the stream ends right after routing, and Envoy's
+access log releases it (server/completions.py); a stream cancelled after routing releases at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from extproc.openai import RequestError, RequestHead
 from extproc.openai.errors import internal_error
 from extproc.scheduling import Profile
 from extproc.server import responses
+from extproc.server.completions import PendingReleases
 from extproc.settings import PROFILE_METADATA_KEY
 
 log = logging.getLogger("extproc.stream")
@@ -52,14 +56,23 @@ class RequestStream:
         "decision",
         "head",
         "lifecycle",
+        "pending",
         "phase",
         "profile",
         "response_body_mode",
+        "ticket",
     )
 
-    def __init__(self, lifecycle: RequestLifecycle, profile: Profile | None = None) -> None:
+    def __init__(
+        self,
+        lifecycle: RequestLifecycle,
+        profile: Profile | None = None,
+        pending: PendingReleases | None = None,
+    ) -> None:
         self.lifecycle = lifecycle
         self.profile = profile
+        self.pending = pending
+        self.ticket: str | None = None
         self.phase = Phase.HEADERS
         self.body_mode: int = ProcessingMode.BUFFERED
         self.response_body_mode: int = ProcessingMode.NONE
@@ -87,11 +100,26 @@ class RequestStream:
             log.exception("unexpected error while processing %s", kind)
             return self._reject(internal_error())
 
-    def close(self) -> None:
-        """The stream ended (normally, or cancelled by Envoy on client disconnect)."""
+    def close(self, *, cancelled: bool = False) -> None:
+        """The stream ended: normally, or `cancelled` (Envoy reset it, the client went away)."""
         if self.decision is not None:
-            self.lifecycle.finish(self.decision, "stream_end")
+            if self.ticket is None:
+                self.lifecycle.finish(self.decision, "stream_end")
+            elif cancelled:
+                # Envoy may never have applied the route (so no access-log entry will carry the
+                # ticket): release now; a late entry finds nothing to release.
+                self.pending_done()
+                self.lifecycle.finish(self.decision, "stream_cancel")
         self.phase = Phase.DONE
+
+    @property
+    def released_by_access_log(self) -> bool:
+        """Routed, and the access log (not this stream) will report the request's end."""
+        return self.ticket is not None and self.phase is Phase.ROUTED
+
+    def pending_done(self) -> None:
+        if self.ticket is not None and self.pending is not None:
+            self.pending.cancel(self.ticket)
 
     # -- request path --------------------------------------------------------------------------
     async def _on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
@@ -116,9 +144,10 @@ class RequestStream:
     async def _on_request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.phase is not Phase.BODY:
             raise RequestError(500, "Unexpected request body.", err_type="server_error", code="protocol")
-        if msg.body:
-            self._body.append(msg.body)
-            self._body_size += len(msg.body)
+        chunk = msg.body  # each read of a bytes field copies it out of the message (15 MB: ~10 ms)
+        if chunk:
+            self._body.append(chunk)
+            self._body_size += len(chunk)
             self.lifecycle.check_size(self._body_size)
         if self.body_mode == _FULL_DUPLEX:
             if not msg.end_of_stream:
@@ -146,7 +175,11 @@ class RequestStream:
         self.decision = decision
         self.phase = Phase.ROUTED
         cfg = self.lifecycle.config
-        mutation = responses.routing_mutation(decision.upstream, cfg.headers)
+        if self.pending is not None:
+            self.ticket = self.pending.register(decision)
+        mutation = responses.routing_mutation(
+            decision.upstream, cfg.headers, self.ticket, stream=decision.request.stream
+        )
         metadata = responses.endpoint_metadata(
             decision.upstream, cfg.endpoint_metadata_namespace, cfg.headers.destination_endpoint
         )
@@ -174,12 +207,14 @@ class RequestStream:
 
     def _release_on_response_end(self) -> None:
         if self.decision is not None:
+            self.pending_done()
             self.lifecycle.finish(self.decision, "response_end")
 
     def _reject(self, err: RequestError) -> list[pb.ProcessingResponse]:
         if self.phase is Phase.DONE:
             return []
         self.phase = Phase.DONE
+        self.pending_done()
         self.lifecycle.reject(err, self.decision)
         return [responses.immediate(err)]
 
@@ -203,21 +238,29 @@ def _profile_name(context: grpc.aio.ServicerContext) -> str | None:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """grpc.aio servicer: drives one RequestStream per Envoy stream."""
 
-    def __init__(self, lifecycle: RequestLifecycle) -> None:
+    def __init__(self, lifecycle: RequestLifecycle, pending: PendingReleases | None = None) -> None:
         self.lifecycle = lifecycle
+        self.pending = pending
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
-        stream = RequestStream(self.lifecycle, self.lifecycle.profile(_profile_name(context)))
+        profile = self.lifecycle.profile(_profile_name(context))
+        stream = RequestStream(self.lifecycle, profile, self.pending)
         streams = self.lifecycle.metrics.streams
         streams.inc()
+        cancelled = True  # until the loop ends on its own: a cancellation or error skips the flag
         try:
             async for msg in request_iterator:
                 for reply in await stream.on_message(msg):
                     yield reply
-                if stream.phase is Phase.DONE:
+                if stream.phase is Phase.DONE or stream.released_by_access_log:
+                    # Routed with a ticket: end the call now (gRPC OK). Envoy goes on without this
+                    # stream, so the response never depends on it; it would otherwise hold a
+                    # buffered-body stream open until the response ends, even with every response
+                    # phase set to SKIP/NONE.
                     break
+            cancelled = False
         finally:
-            stream.close()
+            stream.close(cancelled=cancelled)
             streams.dec()

@@ -50,8 +50,32 @@ class Metrics:
         self.releases = Counter(
             "llm_extproc_releases",
             "In-flight releases by trigger (response_end: the response finished; stream_end: the "
-            "ext_proc stream closed first, e.g. client disconnect).",
+            "ext_proc stream closed first, e.g. client disconnect; access_log: Envoy's access log "
+            "reported the request ended; stream_cancel: the routing stream was reset; expired: no "
+            "access-log entry within lease_timeout_s).",
             ["trigger"],
+            registry=self.registry,
+        )
+        self.access_log_entries = Counter(
+            "llm_extproc_access_log_entries",
+            "Envoy access-log entries received, by outcome (released; no_ticket: a request the "
+            "service did not route; unknown: a ticket already released or expired; relayed: routed by "
+            "another replica and passed on through Redis; other_replica: the same without Redis, "
+            "whose lease then expires there).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.relayed_releases = Counter(
+            "llm_extproc_relayed_releases",
+            "Access-log tickets of requests another replica routed, relayed through Redis "
+            "(sent; dropped: Redis unreachable, the owner's lease expires instead; applied: "
+            "received here and released).",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.access_log_streams = Gauge(
+            "llm_extproc_access_log_streams",
+            "Open access-log streams from Envoy (release_on: access_log needs at least one).",
             registry=self.registry,
         )
         self.fallbacks = Counter(
@@ -59,6 +83,12 @@ class Metrics:
             "Requests routed by weighted round robin over the static pool because no fresh snapshot "
             "exists for the model.",
             ["reason"],
+            registry=self.registry,
+        )
+        self.stale_ready = Counter(
+            "llm_extproc_stale_ready_decisions",
+            "Requests whose candidates were READY snapshots past their TTL (within the stale-READY "
+            "grace) because the model had no fresh READY instance.",
             registry=self.registry,
         )
         self.snapshots = Counter(

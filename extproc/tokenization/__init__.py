@@ -17,6 +17,7 @@ from extproc.tokenization.config import DEFAULT_BYTES_PER_TOKEN, TokenizerSpec
 from extproc.tokenization.hashing import block_hashes
 from extproc.tokenization.registry import (
     PromptInputs,
+    PromptTooLong,
     TokenizedPrompt,
     TokenizerRegistry,
     estimate_tokens,
@@ -28,6 +29,7 @@ __all__ = [
     "CacheStats",
     "ChatTemplateError",
     "PromptInputs",
+    "PromptTooLong",
     "SegmentCache",
     "TokenizedPrompt",
     "TokenizerRegistry",

@@ -13,6 +13,13 @@ special tokens in the text (plain completions prompts), the prompt is one segmen
 
 Post-processing (BOS/EOS added with add_special_tokens=True) is not applied per segment: it is
 detected once at load as fixed leading/trailing ids and added around the concatenation.
+
+A lower bound on any text's token count, without encoding it (`max_token_bytes`): every token stands
+for at most as many bytes of (normalized) text as its longest vocabulary entry, added tokens
+included, measured as UTF-8 (a byte-level or byte-fallback entry is at least as long in UTF-8 as the
+bytes it stands for). A normalizer may shrink the text: Unicode forms and lowercasing by at most 4x
+(a 4-byte character becomes a 1-byte one); prepending and non-shrinking replacements not at all; for
+any other normalizer (stripping, BERT cleaning, precompiled maps) no bound is claimed.
 """
 
 from __future__ import annotations
@@ -60,6 +67,16 @@ class _HFEncoder:
         added = [t for t in tok.get_added_tokens_decoder().values() if not t.normalized and not t.single_word]
         self.matchable = [t.content for t in added]
         self.cuttable = {t.content for t in added if not t.lstrip}
+        self.max_token_bytes = self._max_token_bytes()
+
+    def _max_token_bytes(self) -> int | None:
+        normalizer = self._tok.normalizer
+        shrink = 1 if normalizer is None else _shrink_factor(json.loads(normalizer.__getstate__()))
+        if shrink is None:
+            return None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=0)
+        return longest * shrink if longest else None
 
     def encode(self, pieces: Sequence[str], add_special_tokens: bool = False) -> list[array[int]]:
         try:
@@ -88,6 +105,34 @@ def _load_tiktoken_ranks(path: Path, where: str) -> dict[bytes, int]:
     return ranks
 
 
+_UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+
+
+def _shrink_factor(spec: Any) -> int | None:
+    """How many bytes of input text a byte of this normalizer's output may stand for (None: no bound)."""
+    if not isinstance(spec, dict):
+        return None
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in spec.get("normalizers") or []:
+            f = _shrink_factor(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern, content = spec.get("pattern"), spec.get("content")
+        if isinstance(pattern, dict) and isinstance(pattern.get("String"), str) and isinstance(content, str):
+            return 1 if len(content.encode()) >= len(pattern["String"].encode()) else None
+        return None
+    if kind in _UNICODE_NORMALIZERS:
+        return 4
+    return None
+
+
 class _TiktokenEncoder:
     """A tiktoken Encoding built from a local rank file. Special tokens in the text are encoded as
     special tokens, as an engine does when it renders a chat template."""
@@ -108,6 +153,8 @@ class _TiktokenEncoder:
             raise ValueError(f"{where}: cannot build a tiktoken encoding: {exc}") from exc
         self.matchable = list(spec.special_tokens)
         self.cuttable = set(self.matchable)
+        longest = max(map(len, ranks), default=0)  # tiktoken has no normalizer
+        self.max_token_bytes: int | None = max([longest, *(len(t.encode()) for t in self.matchable)])
 
     def encode(self, pieces: Sequence[str], add_special_tokens: bool = False) -> list[array[int]]:
         # `encode` releases the GIL for the BPE work; tiktoken adds no BOS/EOS.
@@ -140,6 +187,8 @@ class LoadedTokenizer:
         self.prefix_ids = array("I")
         self.suffix_ids = array("I")
         self.wraps = True  # add_special_tokens is prefix/suffix ids around the text's own
+        self.max_token_bytes = self.encoder.max_token_bytes if self.encoder is not None else None
+        """The most bytes of prompt text one token can stand for (None: no bound; see above)."""
         if self.encoder is not None:
             if self.encoder.matchable:
                 alternatives = sorted(self.encoder.matchable, key=len, reverse=True)  # leftmost-longest

@@ -10,6 +10,8 @@ Exactly one source key per model: `tokenizer_json` (a Hugging Face tokenizers fi
 ceil(UTF-8 bytes / n)). Optional for any kind: `tokenizer_config` (tokenizer_config.json, for the
 chat template and special tokens), `chat_template` (a .jinja file, overrides the config's) and
 `content_format` (auto|string|openai, see chat_template.py). "*" applies to models not listed.
+With a tokenizer file, `max_model_len` (the engines' context, in tokens) refuses prompts that provably
+cannot fit it (413 context_length_exceeded), a 15 MB prompt before it is encoded (see registry.py).
 Files are only ever read from disk: nothing is downloaded. Errors are ValueErrors naming the key.
 """
 
@@ -36,8 +38,8 @@ _SOURCE_KEYS: dict[str, Kind] = {
 }
 _COMMON_KEYS = ("tokenizer_config", "chat_template", "content_format")
 _KIND_KEYS: dict[Kind, tuple[str, ...]] = {
-    "hf": ("tokenizer_json", *_COMMON_KEYS),
-    "tiktoken": ("tiktoken_file", "pat_str", "special_tokens", *_COMMON_KEYS),
+    "hf": ("tokenizer_json", "max_model_len", *_COMMON_KEYS),
+    "tiktoken": ("tiktoken_file", "pat_str", "special_tokens", "max_model_len", *_COMMON_KEYS),
     "estimate": ("estimate_bytes_per_token", *_COMMON_KEYS),
 }
 
@@ -55,6 +57,7 @@ class TokenizerSpec:
     pat_str: str | None = None
     special_tokens: dict[str, int] = field(default_factory=dict)
     bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN
+    max_model_len: int | None = None  # refuse prompts that provably exceed it (tokenizer files only)
 
 
 def _file(where: str, value: Any, base_dir: Path | None) -> Path:
@@ -84,6 +87,10 @@ def parse_spec(
         raise ValueError(f"{where}: needs exactly one of {', '.join(_SOURCE_KEYS)} ({got})")
     kind = _SOURCE_KEYS[sources[0]]
     allowed = _KIND_KEYS[kind]
+    if kind == "estimate" and "max_model_len" in raw:
+        raise ValueError(
+            f"{where}.max_model_len: needs a tokenizer file (an estimate cannot prove a prompt too long)"
+        )
     for key in raw:
         if key not in allowed:
             raise ValueError(
@@ -108,6 +115,11 @@ def parse_spec(
         ),
         "content_format": content_format,
     }
+    if "max_model_len" in raw:
+        limit = raw["max_model_len"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"{where}.max_model_len: must be a positive integer, got {limit!r}")
+        common["max_model_len"] = limit
 
     if kind == "hf":
         return TokenizerSpec(

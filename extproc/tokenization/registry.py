@@ -7,11 +7,17 @@ a thread pool (the Rust encoders release the GIL), so a long prompt never stalls
 small ones are encoded inline, where a thread hop would cost more than the work.
 
 Models without a tokenizer get an estimate (`source == "estimate"`, no ids): see estimate_tokens().
+
+Context: with `max_model_len` in a model's spec, a prompt that cannot fit raises PromptTooLong, before
+it is encoded when the bound `ceil(text bytes / longest token bytes)` already exceeds the limit (a
+15 MB prompt would otherwise cost seconds of encoding; see backends.py for why the bound holds), and
+after it when the exact count does. A prompt that may fit is never refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import threading
@@ -44,6 +50,43 @@ def estimate_tokens(text: str, bytes_per_token: float = DEFAULT_BYTES_PER_TOKEN)
     character at ~1-1.5 tokens a character, would be undercounted 3-4x by characters / 4."""
     size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
     return math.ceil(size / bytes_per_token)
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the model's `max_model_len`: exactly `tokens`, or at least
+    `tokens` when it was refused on the bound, before encoding (`exact` False)."""
+
+    def __init__(self, model: str | None, tokens: int, max_model_len: int, *, exact: bool) -> None:
+        count = tokens if exact else f"at least {tokens}"
+        super().__init__(f"prompt of {count} tokens exceeds max_model_len {max_model_len} of {model!r}")
+        self.tokens = tokens
+        self.max_model_len = max_model_len
+        self.exact = exact
+
+
+def min_tokens(text: str, max_token_bytes: int) -> int:
+    """A proven lower bound on the tokens of `text` for a tokenizer whose tokens stand for at most
+    `max_token_bytes` bytes each."""
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return -(-size // max_token_bytes)
+
+
+def _input_chars(inputs: PromptInputs) -> int:
+    """Characters of prompt text the inputs carry (message contents, text parts), without rendering."""
+    prompt = inputs.get("prompt")
+    if prompt is not None:
+        return len(prompt)
+    total = 0
+    for message in inputs.get("messages") or ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, Mapping) else None
+                if isinstance(text, str):
+                    total += len(text)
+    return total
 
 
 class PromptInputs(TypedDict, total=False):
@@ -202,12 +245,13 @@ class TokenizerRegistry:
 
     def tokenize(self, model: str | None, **inputs: Unpack[PromptInputs]) -> TokenizedPrompt:
         """Tokenize a completions `prompt` or chat `messages` (see PromptInputs), on the calling
-        thread. Raises ChatTemplateError when the template rejects the messages."""
-        tok, text, add_special = self._prepare(model, inputs)
+        thread. Raises ChatTemplateError when the template rejects the messages, PromptTooLong
+        when the prompt cannot fit the model's `max_model_len`."""
+        tok, text, add_special = self._prepare_checked(model, inputs)
         if tok.encoder is None:
             return self._estimate(model, tok, text)
         plan = self._plan(tok, text, add_special)
-        return self._finish(model, plan, self._encode(plan), offloaded=False)
+        return self._checked(tok, self._finish(model, plan, self._encode(plan), offloaded=False))
 
     async def tokenize_async(self, model: str | None, **inputs: Unpack[PromptInputs]) -> TokenizedPrompt:
         """As tokenize(), for the event loop: encoding more than `offload_chars` of new text, and a
@@ -215,7 +259,14 @@ class TokenizerRegistry:
         name = self.spec_name(model)
         if name not in self._loaded and name != BUILTIN_ESTIMATE:
             await asyncio.get_running_loop().run_in_executor(self._pool(), self._get, name)
-        tok, text, add_special = self._prepare(model, inputs)
+        # Rendering 15 MB of messages copies it several times, and bounding a long prompt's tokens
+        # may encode it: not on the event loop. A plain prompt without a limit needs neither.
+        checks = inputs.get("messages") is not None or self._get(name).spec.max_model_len is not None
+        if checks and _input_chars(inputs) > self.offload_chars:
+            prepare = functools.partial(self._prepare_checked, model, inputs)
+            tok, text, add_special = await asyncio.get_running_loop().run_in_executor(self._pool(), prepare)
+        else:
+            tok, text, add_special = self._prepare_checked(model, inputs)
         if tok.encoder is None:
             return self._estimate(model, tok, text)
         keyed = None
@@ -225,10 +276,27 @@ class TokenizerRegistry:
         plan = self._plan(tok, text, add_special, keyed)
         if plan.missing_chars > self.offload_chars:
             encoded = await asyncio.get_running_loop().run_in_executor(self._pool(), self._encode, plan)
-            return self._finish(model, plan, encoded, offloaded=True)
-        return self._finish(model, plan, self._encode(plan), offloaded=False)
+            return self._checked(tok, self._finish(model, plan, encoded, offloaded=True))
+        return self._checked(tok, self._finish(model, plan, self._encode(plan), offloaded=False))
 
     # --- steps -------------------------------------------------------------------------------------
+
+    def _prepare_checked(self, model: str | None, inputs: PromptInputs) -> tuple[LoadedTokenizer, str, bool]:
+        """_prepare(), then refuse a prompt whose lower bound already exceeds max_model_len."""
+        tok, text, add_special = self._prepare(model, inputs)
+        limit, longest = tok.spec.max_model_len, tok.max_token_bytes
+        if limit is not None and longest is not None:
+            bound = min_tokens(text, longest)
+            if bound > limit:
+                raise PromptTooLong(model, bound, limit, exact=False)
+        return tok, text, add_special
+
+    @staticmethod
+    def _checked(tok: LoadedTokenizer, result: TokenizedPrompt) -> TokenizedPrompt:
+        limit = tok.spec.max_model_len
+        if limit is not None and result.token_count > limit:
+            raise PromptTooLong(result.model, result.token_count, limit, exact=True)
+        return result
 
     def _prepare(self, model: str | None, inputs: PromptInputs) -> tuple[LoadedTokenizer, str, bool]:
         prompt, messages = inputs.get("prompt"), inputs.get("messages")

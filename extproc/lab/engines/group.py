@@ -57,6 +57,8 @@ class EngineGroup:
     def reset(self) -> None:
         for e in self.engines:
             e.stats.requests = e.stats.completed = e.stats.disconnected = e.stats.max_active = 0
+            e.stats.hung_requests = 0
+            e.hung = False
             e.stats.routing_headers.clear()
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from extproc.lab.engines.tokens import chat_to_tokens, token_text, tokenize
 
 SIM_GPU_BLOCKS = 4096
 ROUTING_HEADERS = ("x-llm-destination-cluster", "x-gateway-destination-endpoint")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class EngineStats:
     max_active: int = 0
     completed: int = 0
     disconnected: int = 0
+    hung_requests: int = 0  # API requests accepted while `hung` and never answered
     routing_headers: list[dict[str, str]] = field(default_factory=list)
 
 
@@ -66,13 +68,16 @@ class SimEngine:
         if profile is not None:
             self.driver = ModelDriver(EngineModel(profile, ready_at=ready_delay_s * time_scale), time_scale)
         self.ready = True  # /health answers 503 while False (model "loading")
+        # While True every request (health and metrics included) is accepted and never answered: a
+        # wedged engine process. /sim/stats still answers, for tests.
+        self.hung = False
         self._slots: asyncio.Semaphore | None = asyncio.Semaphore(max_batch) if max_batch > 0 else None
         self.model = model
         self.token_delay_s = token_delay_s
         self.default_tokens = default_tokens
         self.stats = EngineStats()
         self._setup_metrics(max_batch)
-        self.app = web.Application(client_max_size=256 * 1024 * 1024)
+        self.app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._hang])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self._chat),
@@ -107,6 +112,14 @@ class SimEngine:
             await self.driver.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _hang(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.hung and request.path != "/sim/stats":
+            if request.path.startswith("/v1/"):
+                self.stats.hung_requests += 1
+            await asyncio.Event().wait()  # until the client gives up (cancelled)
+        return await handler(request)
 
     # -- handlers ------------------------------------------------------------------------------
     async def _chat(self, request: web.Request) -> web.StreamResponse:

@@ -20,7 +20,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -99,17 +99,23 @@ def render_envoy_config(
     *,
     listener_port: int,
     admin_port: int,
-    extproc: tuple[str, int],
+    extproc: tuple[str, int] | Sequence[tuple[str, int]],
     clusters: Mapping[str, Sequence[tuple[str, int]]],
 ) -> dict[str, Any]:
-    """Copy of `template` with the listener, admin, ext_proc and upstream cluster addresses replaced."""
+    """Copy of `template` with the listener, admin, ext_proc and upstream cluster addresses replaced.
+
+    `extproc` is one (host, port) or a list of them: the service's replicas."""
     cfg = copy.deepcopy(dict(template))
     cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
     listeners = cfg["static_resources"]["listeners"]
     if len(listeners) != 1:
         raise ValueError("expected one listener in the Envoy config")
     listeners[0]["address"] = _socket("127.0.0.1", listener_port)
-    wanted = {EXT_PROC_CLUSTER: [extproc], **{k: list(v) for k, v in clusters.items()}}
+    if isinstance(extproc[0], str):  # one (host, port)
+        replicas = [cast(tuple[str, int], extproc)]
+    else:
+        replicas = list(cast(Sequence[tuple[str, int]], extproc))
+    wanted = {EXT_PROC_CLUSTER: replicas, **{k: list(v) for k, v in clusters.items()}}
     for cluster in cfg["static_resources"]["clusters"]:
         name = cluster["name"]
         if name not in wanted:
@@ -217,12 +223,16 @@ class ServiceProcess:
             self.stop()
             raise
 
-    def terminate(self, timeout: float = 40.0) -> int | None:
-        """SIGTERM (graceful drain); returns the exit code."""
+    def terminate(self, timeout: float = 40.0, *, skip_announce: bool = False) -> int | None:
+        """SIGTERM (announce, drain, exit); returns the exit code. `skip_announce` sends a second
+        SIGTERM right after the first, which goes straight to the drain (nothing routes here any more)."""
         if self.proc is None:
             return None
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGTERM)
+            if skip_announce:
+                time.sleep(0.05)
+                self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -236,7 +246,7 @@ class ServiceProcess:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.terminate(5)
+            self.terminate(5, skip_announce=True)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -257,6 +267,10 @@ def baseline_envoy_config(
     listener["address"] = _socket("127.0.0.1", listener_port)
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.router"]
+    # No llm-extproc cluster here: drop the access log that reports to it.
+    hcm["access_log"] = [
+        a for a in hcm.get("access_log", []) if a["name"] != "envoy.access_loggers.http_grpc"
+    ]
     hcm["route_config"]["virtual_hosts"][0]["routes"] = [
         {"match": {"prefix": "/"}, "route": {"cluster": "baseline", "timeout": "0s"}}
     ]
@@ -285,7 +299,9 @@ def baseline_envoy_config(
 class LocalGateway:
     """The shipped envoy.yaml (addresses rewritten) in front of `llm-extproc serve`, both as processes.
 
-    `clusters` maps each Envoy cluster of the template to the loopback ports of its engines."""
+    `clusters` maps each Envoy cluster of the template to the loopback ports of its engines.
+    `replicas` service processes (own gRPC and metrics ports) all sit in Envoy's llm-extproc cluster;
+    `services[i]` is replica i, and `service`, `service_port`, `metrics_url` are replica 0's."""
 
     def __init__(
         self,
@@ -295,32 +311,45 @@ class LocalGateway:
         service: Mapping[str, Any],
         envoy_file: str = "envoy.yaml",
         envoy_edit: Callable[[dict[str, Any]], None] | None = None,
+        replicas: int = 1,
     ) -> None:
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.listener_port, self.admin_port = free_port(), free_port()
-        self.service_port, self.metrics_port = free_port(), free_port()
+        self.service_ports = [free_port() for _ in range(replicas)]
+        self.metrics_ports = [free_port() for _ in range(replicas)]
+        self.service_port, self.metrics_port = self.service_ports[0], self.metrics_ports[0]
         self.url = f"http://127.0.0.1:{self.listener_port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         cfg = render_envoy_config(
             load_envoy_config(ENVOY_DIR / envoy_file),
             listener_port=self.listener_port,
             admin_port=self.admin_port,
-            extproc=("127.0.0.1", self.service_port),
+            extproc=[("127.0.0.1", port) for port in self.service_ports],
             clusters={c: [("127.0.0.1", p) for p in ports] for c, ports in clusters.items()},
         )
         if envoy_edit is not None:
             envoy_edit(cfg)
         self.envoy_config = cfg
         self.service_config = copy.deepcopy(dict(service))
-        self.service = ServiceProcess(
-            self.service_config, self.service_port, workdir / "service.log", self.metrics_port
-        )
+        self.services = [
+            ServiceProcess(
+                self.service_config,
+                port,
+                workdir / ("service.log" if i == 0 else f"service-{i}.log"),
+                metrics_port,
+            )
+            for i, (port, metrics_port) in enumerate(zip(self.service_ports, self.metrics_ports, strict=True))
+        ]
+        self.service = self.services[0]
         self.envoy = EnvoyProcess(cfg, self.admin_port, self.listener_port, workdir / "envoy.log")
 
     def start(self) -> LocalGateway:
-        self.service.start()
         try:
+            for service in self.services:
+                service.start()
             self.envoy.start()
             self.wait_extproc_healthy()
         except Exception:
@@ -328,16 +357,31 @@ class LocalGateway:
             raise
         return self
 
-    def wait_extproc_healthy(self, timeout: float = 15.0) -> None:
-        """Envoy's gRPC health check has seen the service: the first request will not race it."""
-        deadline = time.monotonic() + timeout
+    def extproc_health(self) -> dict[int, str]:
+        """Envoy's view of each llm-extproc host: port -> health flags (`healthy`, or e.g.
+        `/failed_active_hc`, `/failed_outlier_check`), from the admin /clusters page."""
         marker = f"{EXT_PROC_CLUSTER}::"
+        out: dict[int, str] = {}
+        for line in self.envoy.admin("/clusters").splitlines():
+            if line.startswith(marker) and "::health_flags::" in line:
+                address, _, flags = line[len(marker) :].partition("::health_flags::")
+                out[int(address.rpartition(":")[2])] = flags
+        return out
+
+    def wait_extproc_healthy(
+        self, timeout: float = 15.0, ports: Sequence[int] | None = None, healthy: bool = True
+    ) -> None:
+        """Envoy's gRPC health check has seen the service (every replica, or `ports`) healthy (or,
+        with healthy=False, not healthy): the first request will not race it."""
+        wanted = list(self.service_ports if ports is None else ports)
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            lines = self.envoy.admin("/clusters").splitlines()
-            if any(ln.startswith(marker) and ln.endswith("::health_flags::healthy") for ln in lines):
+            flags = self.extproc_health()
+            if all((flags.get(p) == "healthy") == healthy for p in wanted):
                 return
             time.sleep(0.1)
-        raise TimeoutError("Envoy never saw llm-extproc healthy")
+        state = "healthy" if healthy else "unhealthy"
+        raise TimeoutError(f"Envoy never saw llm-extproc {wanted} {state}: {self.extproc_health()}")
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples as {'name{labels}': value}."""
@@ -352,14 +396,15 @@ class LocalGateway:
 
     def logs(self) -> str:
         parts = []
-        for p in (self.workdir / "service.log", self.workdir / "envoy.log"):
+        for p in (*(s.log_path for s in self.services), self.workdir / "envoy.log"):
             if p.exists():
                 parts.append(f"--- {p.name} ---\n{p.read_text()[-4000:]}")
         return "\n".join(parts)
 
     def stop(self) -> None:
         self.envoy.stop()
-        self.service.stop()
+        for service in self.services:
+            service.stop()
 
 
 class RedisProcess:

@@ -1,0 +1,172 @@
+"""Learning that a routed request ended without holding its ext_proc stream open.
+
+With `release_on: access_log` the routing stream ends as soon as the route is set (Envoy's
+`response_trailer_mode: SKIP`), so a service replica that dies mid-generation cuts nothing. The
+routed request carries a ticket header; Envoy's gRPC access log (AccessLogService, one long-lived
+stream per Envoy worker, buffered) reports every finished request with that header, and the entry
+releases the request's in-flight lease. The access log is best effort: a ticket whose entry never
+comes (an access-log stream lost with its buffer) is released after `lease_timeout_s`, counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from extproc.lifecycle import Decision, RequestLifecycle
+
+log = logging.getLogger("extproc.completions")
+
+SWEEP_EVERY_S = 1.0
+# Routed requests older than this with no access-log stream ever seen: Envoy is not configured to
+# report to us (warned once; the leases would otherwise expire only after lease_timeout_s).
+NO_ACCESS_LOG_WARN_S = 30.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    decision: Decision
+    routed_at: float  # monotonic seconds
+
+
+class PendingReleases:
+    """Routed requests waiting for the access log to say they ended, by ticket.
+
+    Tickets are `<replica>.<n>`: the replica part tells an entry routed by another replica (whose
+    access log happened to reach this one) from a lost or forged ticket. Event-loop use only.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_counter",
+        "_pending",
+        "_warned",
+        "access_log_seen",
+        "lifecycle",
+        "replica",
+        "timeout_s",
+    )
+
+    def __init__(
+        self,
+        lifecycle: RequestLifecycle,
+        timeout_s: float,
+        *,
+        replica: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.timeout_s = timeout_s
+        self.replica = replica or os.urandom(4).hex()
+        self._clock = clock
+        self._counter = itertools.count(1)
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self.access_log_seen = False
+        self._warned = False
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def register(self, decision: Decision) -> str:
+        ticket = f"{self.replica}.{next(self._counter):x}"
+        self._pending[ticket] = _Pending(decision, self._clock())
+        return ticket
+
+    def complete(self, ticket: str, trigger: str) -> str:
+        """Release the request behind `ticket`; returns the outcome (a metric label)."""
+        entry = self._pending.pop(ticket, None)
+        if entry is not None:
+            self.lifecycle.finish(entry.decision, trigger)
+            return "released"
+        if not ticket:
+            return "no_ticket"
+        replica, _, _ = ticket.partition(".")
+        return "unknown" if replica == self.replica else "other_replica"
+
+    def cancel(self, ticket: str) -> None:
+        """Forget a ticket whose request was released another way (rejected, stream cancelled)."""
+        self._pending.pop(ticket, None)
+
+    def sweep(self) -> int:
+        """Release tickets older than the timeout (oldest first: insertion order is routing order)."""
+        deadline = self._clock() - self.timeout_s
+        expired = 0
+        while self._pending:
+            ticket, entry = next(iter(self._pending.items()))
+            if entry.routed_at > deadline:
+                break
+            del self._pending[ticket]
+            self.lifecycle.finish(entry.decision, "expired")
+            expired += 1
+        return expired
+
+    def oldest_age(self) -> float:
+        if not self._pending:
+            return 0.0
+        return self._clock() - next(iter(self._pending.values())).routed_at
+
+    async def sweep_forever(self, every_s: float = SWEEP_EVERY_S) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            if not self.access_log_seen and not self._warned and self.oldest_age() > NO_ACCESS_LOG_WARN_S:
+                self._warned = True
+                log.warning(
+                    "release_on is access_log but Envoy has opened no access-log stream to this "
+                    "service: add the http_grpc access log of the shipped envoy.yaml (cluster "
+                    "llm-extproc, header %s), or set release_on: stream_end with "
+                    "response_trailer_mode: SEND. Until then in-flight counts only fall after %.0fs.",
+                    self.lifecycle.config.headers.ticket,
+                    self.timeout_s,
+                )
+            if expired := self.sweep():
+                log.warning(
+                    "released %d request(s) whose access-log entry never came within %.0fs; is Envoy's "
+                    "http_grpc access log pointed at llm-extproc?",
+                    expired,
+                    self.timeout_s,
+                )
+
+
+class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's AccessLogService: each HTTP entry carrying a ticket header releases that request."""
+
+    def __init__(
+        self, pending: PendingReleases, ticket_header: str, relay: Callable[[str], None] | None = None
+    ) -> None:
+        self.pending = pending
+        self.header = ticket_header
+        self.relay = relay  # hands another replica's tickets to it (server/relay.py)
+        self.entries = pending.lifecycle.metrics.access_log_entries
+
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> als_pb2.StreamAccessLogsResponse:
+        self.pending.access_log_seen = True
+        streams = self.pending.lifecycle.metrics.access_log_streams
+        streams.inc()
+        try:
+            async for message in request_iterator:
+                self._entries(message)
+        finally:
+            streams.dec()
+        return als_pb2.StreamAccessLogsResponse()
+
+    def _entries(self, message: als_pb2.StreamAccessLogsMessage) -> None:
+        for entry in message.http_logs.log_entry:
+            ticket = entry.request.request_headers.get(self.header, "")
+            outcome = self.pending.complete(ticket, "access_log")
+            if outcome == "other_replica" and self.relay is not None:
+                self.relay(ticket)
+                outcome = "relayed"
+            self.entries.labels(outcome=outcome).inc()

@@ -1,0 +1,117 @@
+"""Access-log entries for requests another replica routed, handed to that replica through Redis.
+
+Envoy opens one access-log stream per worker thread to *some* llm-extproc replica, so with several
+replicas an entry often reaches a replica that did not route the request. The ticket names the
+routing replica; the receiver batches such tickets and PUBLISHes them on that replica's channel
+(`<prefix>:done:<replica>`), which the owner applies. Nothing here is on the request path; with
+Redis down the tickets are dropped (counted) and the owner's leases expire (lease_timeout_s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+
+from extproc.fleet.redis_feed import redis_client
+from extproc.server.completions import PendingReleases
+from extproc.settings import RedisSettings
+
+log = logging.getLogger("extproc.relay")
+
+FLUSH_EVERY_S = 0.02
+MAX_BATCH = 2000  # tickets per published message
+MAX_MESSAGE_BYTES = 256 * 1024
+RECONNECT_S = (0.1, 2.0)
+
+
+class ReleaseRelay:
+    def __init__(self, settings: RedisSettings, pending: PendingReleases) -> None:
+        self.settings = settings
+        self.pending = pending
+        self.metrics = pending.lifecycle.metrics
+        self._outbox: dict[str, list[str]] = defaultdict(list)
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def channel(self, replica: str) -> str:
+        return f"{self.settings.prefix}:done:{replica}"
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._receive_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def forward(self, ticket: str) -> None:
+        """Queue a ticket routed by another replica (called from the access-log receiver)."""
+        replica = ticket.partition(".")[0]
+        if not replica or len(replica) > 64:
+            return
+        self._outbox[replica].append(ticket)
+        self._wake.set()
+
+    async def _send_loop(self) -> None:
+        client = redis_client(self.settings)
+        try:
+            while True:
+                await self._wake.wait()
+                await asyncio.sleep(FLUSH_EVERY_S)  # batch what arrives meanwhile
+                self._wake.clear()
+                outbox, self._outbox = self._outbox, defaultdict(list)
+                sent = dropped = 0
+                try:
+                    async with client.pipeline(transaction=False) as pipe:
+                        for replica, tickets in outbox.items():
+                            for i in range(0, len(tickets), MAX_BATCH):
+                                pipe.publish(self.channel(replica), "\n".join(tickets[i : i + MAX_BATCH]))
+                        await pipe.execute()
+                    sent = sum(map(len, outbox.values()))
+                except Exception as exc:  # Redis down: the owners' leases expire instead
+                    dropped = sum(map(len, outbox.values()))
+                    log.debug("relay publish failed: %s", exc)
+                if sent:
+                    self.metrics.relayed_releases.labels(direction="sent").inc(sent)
+                if dropped:
+                    self.metrics.relayed_releases.labels(direction="dropped").inc(dropped)
+        finally:
+            await client.aclose()
+
+    async def _receive_loop(self) -> None:
+        delay = RECONNECT_S[0]
+        while True:
+            client = redis_client(self.settings)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.channel(self.pending.replica))
+                delay = RECONNECT_S[0]
+                while True:
+                    msg = await pubsub.get_message(timeout=1.0)
+                    if msg is not None:
+                        self._apply(msg.get("data"))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("relay subscription lost: %s", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+                    await client.aclose()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_S[1])
+
+    def _apply(self, data: object) -> None:
+        if not isinstance(data, bytes | str) or len(data) > MAX_MESSAGE_BYTES:
+            return
+        text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
+        applied = 0
+        for ticket in text.split("\n"):
+            if self.pending.complete(ticket, "access_log_relay") == "released":
+                applied += 1
+        if applied:
+            self.metrics.relayed_releases.labels(direction="applied").inc(applied)

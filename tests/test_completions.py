@@ -1,0 +1,162 @@
+"""Releasing routed requests from Envoy's access log (release_on: access_log), without a network."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import orjson
+import pytest
+from envoy.data.accesslog.v3.accesslog_pb2 import HTTPAccessLogEntry
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from test_stream import CHAT, POOL, body_msg, headers_msg, set_headers
+
+from extproc.config import config_from_dict
+from extproc.lifecycle import RequestLifecycle
+from extproc.server.completions import AccessLogReceiver, PendingReleases
+from extproc.server.stream import Phase, RequestStream
+from extproc.telemetry import Metrics
+
+
+def lifecycle(**extra: object) -> RequestLifecycle:
+    cfg = config_from_dict(
+        {"pool": POOL, "routing": "cluster", "metrics_listen": None, "release_on": "access_log", **extra}
+    )
+    return RequestLifecycle(cfg, Metrics(cfg.pool.models(), cfg.pool.cluster_names()))
+
+
+def released(lc: RequestLifecycle, trigger: str) -> float:
+    return lc.metrics.registry.get_sample_value("llm_extproc_releases_total", {"trigger": trigger}) or 0.0
+
+
+async def routed(lc: RequestLifecycle, pending: PendingReleases, body: bytes = CHAT) -> RequestStream:
+    stream = RequestStream(lc, pending=pending)
+    await stream.on_message(headers_msg())
+    [reply] = await stream.on_message(body_msg(body))
+    headers = set_headers(reply.request_body.response)
+    assert headers["x-llm-ticket"] == stream.ticket
+    assert ("x-llm-stream" in headers) == bool(orjson.loads(body).get("stream"))
+    return stream
+
+
+async def test_routed_request_carries_a_ticket_and_is_released_by_it() -> None:
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0, replica="r1")
+    stream = await routed(lc, pending)
+    assert stream.ticket is not None and stream.ticket.startswith("r1.")
+    stream.close()  # Envoy half-closes right after routing: the lease is kept
+    assert lc.inflight.total() == 1 and len(pending) == 1
+    assert pending.complete(stream.ticket, "access_log") == "released"
+    assert lc.inflight.total() == 0 and released(lc, "access_log") == 1
+    # A repeated entry (or a forged one) releases nothing more.
+    assert pending.complete(stream.ticket, "access_log") == "unknown"
+    assert pending.complete("other.1", "access_log") == "other_replica"
+    assert pending.complete("", "access_log") == "no_ticket"
+    assert lc.inflight.total() == 0
+
+
+async def test_streaming_requests_are_marked_for_the_header_timeout_route() -> None:
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0)
+    stream = RequestStream(lc, pending=pending)
+    await stream.on_message(headers_msg())
+    body = orjson.dumps({**orjson.loads(CHAT), "stream": True})
+    [reply] = await stream.on_message(body_msg(body))
+    assert set_headers(reply.request_body.response)["x-llm-stream"] == "1"
+    plain = await routed(lc, pending)  # routed() checks the mark is absent without "stream": true
+    assert plain.phase is Phase.ROUTED
+
+
+async def test_cancelled_stream_releases_at_once() -> None:
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0)
+    stream = await routed(lc, pending)
+    stream.close(cancelled=True)  # Envoy reset the stream: the route may never have been applied
+    assert lc.inflight.total() == 0 and len(pending) == 0
+    assert released(lc, "stream_cancel") == 1
+    assert stream.ticket is not None
+    assert pending.complete(stream.ticket, "access_log") == "unknown"  # a late entry: nothing twice
+
+
+async def test_response_phases_still_release_when_envoy_sends_them() -> None:
+    """An Envoy config that keeps response_trailer_mode SEND with access_log release: both paths end
+    in one release."""
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0)
+    stream = await routed(lc, pending)
+    await stream.on_message(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
+    assert lc.inflight.total() == 0 and len(pending) == 0
+    assert stream.ticket is not None
+    assert pending.complete(stream.ticket, "access_log") == "unknown"
+    assert released(lc, "response_end") == 1 and released(lc, "access_log") == 0
+
+
+async def test_lost_entries_expire_oldest_first() -> None:
+    lc = lifecycle()
+    now = [100.0]
+    pending = PendingReleases(lc, 30.0, clock=lambda: now[0])
+    first = await routed(lc, pending)
+    now[0] += 20
+    await routed(lc, pending)
+    now[0] += 15  # the first is 35 s old, the second 15 s
+    assert pending.sweep() == 1
+    assert lc.inflight.total() == 1 and released(lc, "expired") == 1
+    assert first.ticket is not None and pending.complete(first.ticket, "access_log") == "unknown"
+
+
+async def test_rejected_after_routing_forgets_the_ticket() -> None:
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0)
+    stream = await routed(lc, pending)
+    from extproc.openai import RequestError
+
+    stream._reject(RequestError(500, "boom", err_type="server_error", code="x"))
+    assert lc.inflight.total() == 0 and len(pending) == 0
+
+
+async def test_access_log_service_over_real_grpc() -> None:
+    """Envoy's AccessLogService wire format: entries with and without our ticket, over a real channel."""
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0, replica="me")
+    streams = [await routed(lc, pending) for _ in range(3)]
+    server = grpc.aio.server()
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(AccessLogReceiver(pending, "x-llm-ticket"), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = als_pb2_grpc.AccessLogServiceStub(channel)
+
+            def message(*tickets: str) -> als_pb2.StreamAccessLogsMessage:
+                msg = als_pb2.StreamAccessLogsMessage()
+                for t in tickets:
+                    entry = HTTPAccessLogEntry()
+                    if t:
+                        entry.request.request_headers["x-llm-ticket"] = t
+                    msg.http_logs.log_entry.append(entry)
+                return msg
+
+            tickets = [s.ticket or "" for s in streams]
+            call = stub.StreamAccessLogs()
+            await call.write(message(tickets[0], ""))
+            await call.write(message(tickets[1], tickets[2], "other.9"))
+            await call.done_writing()
+            await asyncio.wait_for(call, 10)
+    finally:
+        await server.stop(None)
+    assert lc.inflight.total() == 0
+    sample = lc.metrics.registry.get_sample_value
+    assert sample("llm_extproc_access_log_entries_total", {"outcome": "released"}) == 3
+    assert sample("llm_extproc_access_log_entries_total", {"outcome": "no_ticket"}) == 1
+    assert sample("llm_extproc_access_log_entries_total", {"outcome": "other_replica"}) == 1
+
+
+def test_release_mode_is_validated() -> None:
+    from extproc.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="release_on"):
+        config_from_dict({"pool": POOL, "release_on": "trailers"})
+    with pytest.raises(ConfigError, match="lease_timeout_s"):
+        config_from_dict({"pool": POOL, "lease_timeout_s": 0})
