@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +24,7 @@ from extproc.server.relay import ReleaseRelay
 from extproc.server.stream import ExternalProcessor
 from extproc.settings import GIL_SWITCH_INTERVAL_S
 from extproc.telemetry import Metrics, MetricsServer
+from extproc.telemetry.metrics import Probe
 
 log = logging.getLogger("extproc.server")
 
@@ -42,6 +44,7 @@ class RunningService:
     feed: RedisFeed | None = None
     sweeper: asyncio.Task[None] | None = None  # releases access-log tickets that never came back
     relay: ReleaseRelay | None = None
+    heartbeat: asyncio.Task[None] | None = None  # the event loop's pulse, read by /healthz
     phase: str = "serving"  # serving -> announce -> drain -> stopped
 
     async def stop(
@@ -117,6 +120,8 @@ class RunningService:
         self.phase = "stopped"
         if self.sweeper is not None:
             self.sweeper.cancel()
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
         if self.relay is not None:
             await self.relay.stop()
         if self.feed is not None:
@@ -126,6 +131,43 @@ class RunningService:
         if self.lifecycle.config.tokenizers is not None:
             self.lifecycle.config.tokenizers.close()
         self.lifecycle.close()  # the body-parser worker processes
+
+
+class _Probes:
+    """HTTP probes on the metrics port (read from its thread; the event loop writes the state).
+
+    /healthz: the process is alive *and* its event loop turns (a beat within LOOP_STALL_S), so a
+    wedged loop gets the pod restarted. /readyz: ready for new requests: serving, not shutting down,
+    and the loop turning. Neither depends on Redis or the engines: without them the service still
+    routes (fallbacks), and a readiness tied to them would take every replica out at once."""
+
+    LOOP_STALL_S = 10.0
+    BEAT_S = 1.0
+
+    def __init__(self) -> None:
+        self.running: RunningService | None = None
+        self.last_beat = time.monotonic()
+
+    def paths(self) -> dict[str, Probe]:
+        return {"/healthz": self.live, "/readyz": self.ready}
+
+    async def beat_forever(self) -> None:
+        while True:
+            self.last_beat = time.monotonic()
+            await asyncio.sleep(self.BEAT_S)
+
+    def live(self) -> tuple[bool, str]:
+        stalled = time.monotonic() - self.last_beat
+        if stalled > self.LOOP_STALL_S:
+            return False, f"event loop stalled for {stalled:.0f}s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        ok, reason = self.live()
+        if not ok:
+            return ok, reason
+        phase = self.running.phase if self.running is not None else "starting"
+        return (True, "ready") if phase == "serving" else (False, f"not ready: {phase}")
 
 
 def _completions(
@@ -174,7 +216,10 @@ async def start(config: ServiceConfig) -> RunningService:
     serving = health_pb2.HealthCheckResponse.SERVING
     await health_servicer.set("", serving)
     await health_servicer.set(EXT_PROC_SERVICE, serving)
-    metrics_server = MetricsServer(metrics, config.metrics_listen) if config.metrics_listen else None
+    probes = _Probes()
+    metrics_server = (
+        MetricsServer(metrics, config.metrics_listen, probes.paths()) if config.metrics_listen else None
+    )
     log.info(
         "ext_proc listening on %s (port %d), metrics on %s, %d clusters, models: %s",
         config.listen,
@@ -183,9 +228,12 @@ async def start(config: ServiceConfig) -> RunningService:
         len(config.pool.clusters),
         ", ".join(config.pool.models()) or "*",
     )
-    return RunningService(
+    running = RunningService(
         server, port, health_servicer, lifecycle, metrics, metrics_server, feed, sweeper, relay
     )
+    probes.running = running
+    running.heartbeat = asyncio.get_running_loop().create_task(probes.beat_forever())
+    return running
 
 
 async def serve(config: ServiceConfig) -> None:

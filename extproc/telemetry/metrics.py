@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+# A probe answers (ok, reason): /healthz and /readyz reply 200 or 503 with the reason as text.
+Probe = Callable[[], tuple[bool, str]]
 
 UNKNOWN_MODEL = "unknown"
 
@@ -161,16 +165,39 @@ class Metrics:
         self.inflight.labels(cluster=cluster).inc(delta)
 
 
-class MetricsServer:
-    """The /metrics HTTP endpoint, on its own thread (prometheus-client's server), off the event loop."""
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
 
-    def __init__(self, metrics: Metrics, listen: str) -> None:
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes and probes are not news
+        pass
+
+
+class MetricsServer:
+    """/metrics, plus /healthz (liveness) and /readyz (readiness) when probes are given, on its own
+    thread, off the event loop; a probe reads state the event loop keeps (no locks needed)."""
+
+    def __init__(self, metrics: Metrics, listen: str, probes: Mapping[str, Probe] | None = None) -> None:
         host, _, port = listen.rpartition(":")
-        self._server: WSGIServer
-        self._thread: threading.Thread
-        self._server, self._thread = start_http_server(
-            int(port), addr=host.strip("[]"), registry=metrics.registry
+        self._metrics_app = make_wsgi_app(metrics.registry)
+        self._probes = dict(probes or {})
+        self._server: WSGIServer = make_server(
+            host.strip("[]"), int(port), self._app, _ThreadingServer, handler_class=_QuietHandler
         )
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
+        probe = self._probes.get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return iter(self._metrics_app(environ, start_response))
+        try:
+            ok, reason = probe()
+        except Exception as exc:  # a probe that fails says not ok, never a 500 with a traceback
+            ok, reason = False, f"probe failed: {type(exc).__name__}"
+        start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+        return iter([(reason + "\n").encode()])
 
     @property
     def port(self) -> int:
