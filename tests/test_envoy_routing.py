@@ -121,14 +121,17 @@ async def test_sse_stream_arrives_chunk_by_chunk(stack: Stack, engines: EngineGr
     assert chunks[-1]["usage"]["completion_tokens"] == n
 
 
-async def test_embeddings_and_models_pass_through(stack: Stack) -> None:
+async def test_embeddings_pass_through_and_models_are_listed(stack: Stack) -> None:
     async with aiohttp.ClientSession() as s:
         status, _headers, body = await post(s, stack, "/v1/embeddings", {"model": MODEL, "input": ["x", "y"]})
         assert status == 200 and orjson.loads(body)["object"] == "list"
-        async with s.get(stack.url + "/v1/models") as r:
-            assert r.status == 200
-            assert orjson.loads(await r.read())["data"][0]["id"] == MODEL
-            assert r.headers["x-sim-engine"] in stack.cluster_of
+        async with s.get(stack.url + "/v1/models") as r:  # answered by the gateway, from the pool
+            assert r.status == 200 and r.headers["content-type"] == "application/json"
+            assert [m["id"] for m in orjson.loads(await r.read())["data"]] == [MODEL]
+            assert "x-sim-engine" not in r.headers
+        async with s.get(stack.url + "/v1/models/" + MODEL) as r:  # one model: passed through
+            await r.read()
+            assert r.headers["server"] == "envoy" and r.status == 404  # the sim engine has no such route
 
 
 async def test_concurrent_load_uses_both_upstreams(stack: Stack, engines: EngineGroup) -> None:

@@ -36,6 +36,7 @@ async def test_probes_follow_the_service_phase() -> None:
         assert await asyncio.to_thread(get, base + "/readyz") == (200, "ready\n")
         status, text = await asyncio.to_thread(get, base + "/metrics")
         assert status == 200 and "llm_extproc_requests_total" in text
+        assert 'llm_extproc_build_info{grpcio="' in text
         await running.announce(0)  # SIGTERM's first phase: no longer ready, still alive
         assert await asyncio.to_thread(get, base + "/readyz") == (503, "not ready: announce\n")
         assert (await asyncio.to_thread(get, base + "/healthz"))[0] == 200

@@ -96,9 +96,18 @@ async def test_full_duplex_with_trailers_ends_in_trailers_reply() -> None:
     assert not replies[1].request_body.response.body_mutation.streamed_response.end_of_stream
 
 
-async def test_bodyless_request_routes_in_headers_reply() -> None:
+async def test_models_listed_by_the_gateway_from_the_pool() -> None:
     s = RequestStream(lifecycle())
     [r] = await s.on_message(headers_msg(end_of_stream=True, method="GET", path="/v1/models"))
+    assert r.immediate_response.status.code == 200
+    doc = orjson.loads(r.immediate_response.body)
+    assert doc["object"] == "list" and [m["id"] for m in doc["data"]] == ["m"]
+    assert s.phase is Phase.DONE and s.decision is None  # nothing routed, nothing held
+
+
+async def test_bodyless_request_routes_in_headers_reply() -> None:
+    s = RequestStream(lifecycle())
+    [r] = await s.on_message(headers_msg(end_of_stream=True, method="GET", path="/v1/models/m"))
     assert r.request_headers.response.clear_route_cache
     assert set_headers(r.request_headers.response)["x-llm-destination-cluster"] in {"gpu-a", "gpu-b"}
     assert s.phase is Phase.ROUTED

@@ -112,6 +112,11 @@ class FleetView:
         self.counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
         self.stale_ready_decisions = 0  # candidates() answers served from the stale-READY grace
 
+    @property
+    def fresh_models(self) -> frozenset[str]:
+        """Models some fresh snapshot says an instance serves (adapters listed as models included)."""
+        return self._fresh_models
+
     # -- writers ---------------------------------------------------------------------------------
     def apply(self, state: InstanceState) -> bool:
         """Store a snapshot unless an equal-or-newer one from the same publisher is already held."""

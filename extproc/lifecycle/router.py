@@ -63,6 +63,15 @@ class RequestLifecycle:
         """Stop the body parser processes (the service calls this when it stops)."""
         self.bodies.close()
 
+    def served_models(self) -> list[str]:
+        """What `GET /v1/models` lists: the pool's models and those fresh snapshots name ("*" is a
+        catch-all, not a model)."""
+        models = set(self.config.pool.models())
+        if self.view is not None:
+            models |= self.view.fresh_models
+        models.discard("*")
+        return sorted(models)
+
     # -- parse -----------------------------------------------------------------------------------
     def read_head(self, headers: dict[str, str]) -> RequestHead:
         h = self.config.headers

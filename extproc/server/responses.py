@@ -5,6 +5,7 @@ Header values always go in `raw_value`: current Envoy ignores `value` and would 
 
 from __future__ import annotations
 
+import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3.http_status_pb2 import HttpStatus
@@ -103,6 +104,27 @@ def response_body(streamed: bytes | None = None, end_of_stream: bool = False) ->
 
 def response_trailers() -> pb.ProcessingResponse:
     return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def model_list(models: list[str], created: int) -> pb.ProcessingResponse:
+    """`GET /v1/models` answered by the gateway: every model the pool serves, in OpenAI's shape
+    (one upstream's own list would name only what that engine serves)."""
+    body = orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": created, "owned_by": "llm-extproc"} for m in models
+            ],
+        }
+    )
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=HttpStatus(code=200),
+            headers=pb.HeaderMutation(set_headers=[_set("content-type", "application/json")]),
+            body=body,
+            details="llm_extproc_models",
+        )
+    )
 
 
 def immediate(error: RequestError) -> pb.ProcessingResponse:

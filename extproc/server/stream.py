@@ -15,6 +15,7 @@ access log releases it (server/completions.py); a stream cancelled after routing
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from enum import Enum, auto
 
@@ -24,7 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.lifecycle import Decision, RequestLifecycle
-from extproc.openai import RequestError, RequestHead
+from extproc.openai import Api, RequestError, RequestHead
 from extproc.openai.errors import internal_error
 from extproc.scheduling import Profile
 from extproc.server import responses
@@ -126,6 +127,9 @@ class RequestStream:
         if self.phase is not Phase.HEADERS:
             raise RequestError(500, "Unexpected request headers.", err_type="server_error", code="protocol")
         self.head = self.lifecycle.read_head(_header_map(msg))
+        if self.head.api is Api.MODELS and self.head.method == "GET":
+            self.phase = Phase.DONE
+            return [responses.model_list(self.lifecycle.served_models(), int(time.time()))]
         if msg.end_of_stream:
             return [await self._route(None, in_headers=True)]
         if self.body_mode == _STREAMED:

@@ -77,6 +77,13 @@ class Metrics:
             ["direction"],
             registry=self.registry,
         )
+        self.build_info = Gauge(
+            "llm_extproc_build_info",
+            "Always 1; the labels say which llm-extproc, Python and grpcio run here.",
+            ["version", "python", "grpcio"],
+            registry=self.registry,
+        )
+        self.build_info.labels(*_build()).set(1)
         self.access_log_streams = Gauge(
             "llm_extproc_access_log_streams",
             "Open access-log streams from Envoy (release_on: access_log needs at least one).",
@@ -163,6 +170,19 @@ class Metrics:
 
     def on_inflight_change(self, cluster: str, delta: int) -> None:
         self.inflight.labels(cluster=cluster).inc(delta)
+
+
+def _build() -> tuple[str, str, str]:
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    return version("llm-extproc"), platform.python_version(), version("grpcio")
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
