@@ -255,12 +255,14 @@ class Publisher:
         self._specs: dict[str, InstanceSpec] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
+        self._stopping = False
         self._failing: set[str] = set()  # instances whose last cycle raised (log once, not per tick)
         self._redis_ok = True
 
     # -- supervision -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
         stop = stop or asyncio.Event()
+        self._stopping = False
         endpoint = (
             MetricsEndpoint(self.metrics, self.config.metrics_listen) if self.config.metrics_listen else None
         )
@@ -323,11 +325,15 @@ class Publisher:
         task.add_done_callback(self._retiring.discard)
 
     async def _stop_tasks(self) -> None:
-        for task in self._tasks.values():
+        self._stopping = True  # instance loops also check this: a cancellation lost in a race
+        for task in self._tasks.values():  # (a timeout firing at the same instant) cannot keep one
             self._retire(task)
         self._tasks.clear()
-        if self._retiring:
-            await asyncio.gather(*self._retiring, return_exceptions=True)
+        while self._retiring:  # cancel again until every task has ended
+            pending = set(self._retiring)
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.5)
 
     async def _instance_loop(self, uid: str, session: aiohttp.ClientSession, client: Any) -> None:
         """Scrape and publish one instance every interval, on its own clock, for as long as it is listed."""
@@ -335,7 +341,7 @@ class Publisher:
         interval = self.config.interval_s
         # Spread the instances over the interval: N scrapes and writes do not all land at once.
         next_at = loop.time() + (zlib.crc32(uid.encode()) % 1000) / 1000 * interval
-        while True:
+        while not self._stopping:
             delay = next_at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
