@@ -182,6 +182,9 @@ async def test_client_disconnect_releases_inflight(stack: Stack, engines: Engine
 async def test_spoofed_routing_headers_are_ignored(stack: Stack, engines: EngineGroup) -> None:
     busy, idle = engines.engines
     busy.token_delay_s = 0.2
+    # Earlier tests' requests are released when Envoy's access log reports them (flushed every
+    # 20 ms): start from an empty count, or a late release could tie the two engines.
+    assert await asyncio.to_thread(wait_until, lambda: stack.inflight() == 0)
     async with aiohttp.ClientSession() as s:
         hold = asyncio.create_task(post(s, stack, "/v1/chat/completions", {**CHAT, "max_tokens": 10}))
         assert await asyncio.to_thread(wait_until, lambda: busy.stats.active == 1 or idle.stats.active == 1)

@@ -7,8 +7,7 @@ import asyncio
 import contextlib
 import socket
 import threading
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +22,6 @@ from extproc.lab.stack import RedisProcess, ext_proc_filter
 pytestmark = pytest.mark.envoy
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-
-
-@pytest.fixture
-def make_stack(engines: EngineGroup, tmp_path: Path) -> Iterator[Callable[..., Stack]]:
-    started: list[Stack] = []
-    engines.reset()
-    for e in engines.engines:
-        e.token_delay_s = 0.005
-
-    def make(**kw: Any) -> Stack:
-        s = Stack(engines, tmp_path / f"stack{len(started)}", **kw)
-        started.append(s.start())
-        return s
-
-    yield make
-    for s in started:
-        s.stop()
 
 
 class HungServer:
@@ -192,17 +174,6 @@ async def test_stuck_engine_streaming_request_retried_before_first_byte(
     assert wait_until(lambda: stack.inflight() == 0, timeout=10)
 
 
-def replica_metrics(stack: Stack, i: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_ports[i]}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def inflight_of(samples: dict[str, float]) -> float:
     return sum(v for k, v in samples.items() if k.startswith("llm_extproc_inflight_requests{"))
 
@@ -227,17 +198,17 @@ async def test_two_replicas_release_each_others_requests_through_redis(
 
             statuses = await asyncio.gather(*(one() for _ in range(60)))
         assert statuses == [200] * 60
-        samples = [replica_metrics(stack, i) for i in range(2)]
+        samples = [stack.metrics(i) for i in range(2)]
         routed = [
             sum(v for k, v in m.items() if k.startswith("llm_extproc_requests_total{")) for m in samples
         ]
         assert all(n > 0 for n in routed), routed  # both replicas routed some
 
         def settled() -> bool:
-            return all(inflight_of(replica_metrics(stack, i)) == 0 for i in range(2))
+            return all(inflight_of(stack.metrics(i)) == 0 for i in range(2))
 
-        assert wait_until(settled, timeout=10), [replica_metrics(stack, i) for i in range(2)]
-        samples = [replica_metrics(stack, i) for i in range(2)]
+        assert wait_until(settled, timeout=10), [stack.metrics(i) for i in range(2)]
+        samples = [stack.metrics(i) for i in range(2)]
         applied = sum(m.get('llm_extproc_relayed_releases_total{direction="applied"}', 0) for m in samples)
         expired = sum(m.get('llm_extproc_releases_total{trigger="expired"}', 0) for m in samples)
         assert applied >= 1 and expired == 0, samples

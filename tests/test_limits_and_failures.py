@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -19,23 +18,6 @@ pytestmark = pytest.mark.envoy
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 MB = 1024 * 1024
-
-
-@pytest.fixture
-def make_stack(engines: EngineGroup, tmp_path: Path) -> Iterator[Callable[..., Stack]]:
-    started: list[Stack] = []
-    engines.reset()
-    for e in engines.engines:
-        e.token_delay_s = 0.005
-
-    def make(**kw: Any) -> Stack:
-        s = Stack(engines, tmp_path / f"stack{len(started)}", **kw)
-        started.append(s.start())
-        return s
-
-    yield make
-    for s in started:
-        s.stop()
 
 
 def big_chat(size: int) -> bytes:

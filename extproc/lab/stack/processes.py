@@ -383,9 +383,10 @@ class LocalGateway:
         state = "healthy" if healthy else "unhealthy"
         raise TimeoutError(f"Envoy never saw llm-extproc {wanted} {state}: {self.extproc_health()}")
 
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples as {'name{labels}': value}."""
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+    def metrics(self, replica: int = 0) -> dict[str, float]:
+        """Prometheus samples of service `replica` as {'name{labels}': value}."""
+        url = f"http://127.0.0.1:{self.metrics_ports[replica]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
