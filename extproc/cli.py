@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import errno
+import socket
 import sys
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 from extproc import __version__
+from extproc.telemetry.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -25,8 +27,39 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_announce_s=args.shutdown_announce,
         shutdown_grace_s=args.shutdown_grace,
     )
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: at least 1")
+    if args.workers > 1:
+        return _serve_workers(args, config.listen, config.metrics_listen)
+    check_listen(config.listen, "--listen")
+    if config.metrics_listen:
+        check_listen(config.metrics_listen, "--metrics-listen")
     _run(serve(config))
     return 0
+
+
+def _serve_workers(args: argparse.Namespace, listen: str, metrics_listen: str | None) -> int:
+    """`serve --workers N`: check every address once, then supervise N `serve` processes."""
+    from extproc.server.workers import Supervisor, offset_port, worker_commands
+
+    if listen.endswith(":0") or (metrics_listen or "").endswith(":0"):
+        raise ValueError("--workers needs fixed ports (workers share or offset them), not port 0")
+    for i in range(args.workers):
+        if i == 0 or args.worker_ports == "consecutive":
+            check_listen(offset_port(listen, i), "--listen")
+        if metrics_listen:
+            check_listen(offset_port(metrics_listen, i), f"--metrics-listen (worker {i}: port + {i})")
+    serve_args = [f"--log-level={args.log_level}", f"--log-format={args.log_format}"]
+    for flag, value in (
+        ("--config", args.config),
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--shutdown-announce", args.shutdown_announce),
+        ("--shutdown-grace", args.shutdown_grace),
+    ):
+        if value is not None:
+            serve_args.append(f"{flag}={value}")
+    commands = worker_commands(serve_args, args.workers, listen, metrics_listen, args.worker_ports)
+    return Supervisor(commands).run()
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -74,6 +107,8 @@ def _publish(args: argparse.Namespace) -> int:
         scrape_timeout_s=args.scrape_timeout,
         metrics_listen=args.metrics_listen,
     )
+    if config.metrics_listen:
+        check_listen(config.metrics_listen, "--metrics-listen")
     publisher = Publisher(config)
 
     async def run() -> None:
@@ -87,6 +122,21 @@ def _publish(args: argparse.Namespace) -> int:
 
     _run(run())
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from extproc.doctor import DoctorOptions, report, run_doctor_until
+
+    opts = DoctorOptions(
+        config=args.config,
+        envoy_admin=args.envoy_admin,
+        envoy_config=args.envoy_config,
+        redis_url=args.redis,
+        timeout_s=args.timeout,
+    )
+    text, status = report(_run(run_doctor_until(opts, args.wait)))
+    print(text)
+    return status
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -105,7 +155,24 @@ def _sim(args: argparse.Namespace) -> int:
     delays = [float(x) / 1000.0 for x in str(args.token_delay_ms).split(",") if x.strip()]
     if len(delays) == 1:
         delays = delays * (len(profiles) if profiles else args.count)
-    _run(run_engines(args.host, args.port, delays, args.model, args.max_batch, profiles, args.time_scale))
+    if args.port:  # 0: any free ports
+        for i in range(len(profiles) if profiles else len(delays)):
+            check_listen(f"{args.host}:{args.port + i}", "--host/--port" if i == 0 else f"engine {i}")
+    if args.kv_events_port is not None and not profiles:
+        raise ValueError("--kv-events-port needs --profile (only model-driven engines have a KV cache)")
+    _run(
+        run_engines(
+            args.host,
+            args.port,
+            delays,
+            args.model,
+            args.max_batch,
+            profiles,
+            args.time_scale,
+            kv_events_port=args.kv_events_port,
+            kv_events_topic=args.kv_events_topic,
+        )
+    )
     return 0
 
 
@@ -279,6 +346,19 @@ def _overhead(args: argparse.Namespace) -> int:
     from extproc.lab.bench.scenarios import run_overhead
 
     conc = tuple(int(c) for c in args.concurrency.split(","))
+    if args.workers:
+        from extproc.lab.bench.workers_overhead import run_workers_overhead
+
+        return _run(
+            run_workers_overhead(
+                workers=tuple(int(w) for w in args.workers.split(",")),
+                requests=args.requests,
+                concurrency=conc[-1],
+                worker_ports=args.worker_ports,
+                same_prompt=args.same_prompt,
+                out_dir=Path(args.out if args.out != "out/overhead" else "out/overhead-workers"),
+            )
+        )
     modes = tuple(m.strip().upper() for m in args.modes.split(",") if m.strip())
     return _run(run_overhead(requests=args.requests, concurrency=conc, modes=modes, out_dir=Path(args.out)))
 
@@ -309,11 +389,117 @@ def _add_grid_options(
     )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help when X says something: not None, not a switch's False,
+    and not when the help already states its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or not action.option_strings
+            or isinstance(action, argparse._VersionAction | argparse._HelpAction)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# A line or two on what each command is for (its `--help` page); the one-line `help` is the list entry.
+DESCRIPTIONS = {
+    "serve": "Run the ext_proc gRPC service that Envoy calls for every request: it parses the OpenAI "
+    "request, picks an upstream and tells Envoy where to send it. Prometheus /metrics, /healthz and "
+    "/readyz on --metrics-listen.",
+    "check-config": "Load a service YAML exactly as `serve` would, report its clusters, models and "
+    "profile, and exit (non-zero with the reason when it is invalid).",
+    "init": "Write envoy.yaml and llm-extproc.yaml (plus the endpoint-picker pair) that agree on cluster "
+    "names, ports and headers, to edit for your own model servers.",
+    "publish": "Scrape every engine's /health and /metrics on its own schedule and publish normalised "
+    "fleet snapshots to Redis for the service replicas. Instances come from --config or from Envoy's "
+    "admin API (clusters tagged with llm-extproc metadata).",
+    "sim": "Run simulated OpenAI-compatible engines (chat, completions, embeddings, models, vLLM-named "
+    "/metrics) on consecutive ports: a stand-in for GPU servers.",
+    "doctor": "Check a running setup: Envoy admin reachable and its llm-extproc cluster healthy, Redis "
+    "reachable, a fresh snapshot per upstream, and envoy.yaml's clusters matching the service YAML. "
+    "One line per check; exits 1 when any fails.",
+}
+
+LOG_OPTION_DESTS = ("log_level", "log_format")
+
+
+def _add_log_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """--log-level and --log-format, before the command (top) and after it (each command, where the
+    defaults are suppressed so a value given before the command survives)."""
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO" if top else argparse.SUPPRESS,
+        help="log threshold, any case (default: INFO)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text" if top else argparse.SUPPRESS,
+        help="text lines, or one JSON object per line: ts, level, logger, message, extra fields "
+        "(default: text)",
+    )
+
+
+def _finish_subcommands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Every command: a description, defaults shown in --help, and the global log flags."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    for name, p in sub.choices.items():
+        p.formatter_class = HelpFormatter
+        if not p.description:
+            p.description = DESCRIPTIONS.get(name) or helps.get(name)
+        if not any(a.dest == "log_level" for a in p._actions):
+            _add_log_options(p, top=False)
+
+
+def check_listen(address: str, flag: str) -> None:
+    """Fail in one line, before anything starts, when `address` (host:port) cannot be listened on here:
+    a host that does not resolve, an address that is not this machine's, or a port already taken.
+    SO_REUSEPORT is set as the gRPC server sets it, so only what would really clash is refused."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{flag} {address!r}: expected host:port with a port 0-65535")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"{flag} {address}: cannot resolve host {host!r} ({reason})") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "SO_REUSEPORT"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(
+                    f"{flag} {address}: port {port} is already in use (another llm-extproc, engine or "
+                    "Envoy?); stop it or pick a free port"
+                ) from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise OSError(
+                    f"{flag} {address}: {host} is not an address of this machine; use 127.0.0.1, "
+                    "0.0.0.0 or one of its own IPs"
+                ) from None
+            if exc.errno == errno.EACCES:
+                raise OSError(f"{flag} {address}: port {port} needs privileges; use a port >= 1024") from None
+            raise OSError(f"{flag} {address}: cannot listen ({exc.strerror or exc})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="llm-extproc", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
+    _add_log_options(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the ext_proc gRPC service")
     p.add_argument("--config", help="YAML config (default: $LLM_EXTPROC_CONFIG)")
@@ -332,6 +518,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="then let open streams finish for up to this long before cancelling them (default 30)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N service processes (one core each) under a supervisor that forwards SIGTERM and "
+        "restarts a worker that dies; worker i serves metrics on the metrics port + i",
+    )
+    p.add_argument(
+        "--worker-ports",
+        choices=("shared", "consecutive"),
+        default="shared",
+        help="with --workers: all on the --listen port (SO_REUSEPORT), or worker i on port + i "
+        "(list them in envoy.yaml; Envoy then balances streams; docs/tuning.md)",
     )
     p.set_defaults(func=_serve)
 
@@ -365,11 +566,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_publish)
 
+    p = sub.add_parser(
+        "doctor", help="check a running setup (Envoy, service, Redis, snapshots) and say what to fix"
+    )
+    p.add_argument(
+        "--config", help="the service YAML the running service uses (default: $LLM_EXTPROC_CONFIG)"
+    )
+    p.add_argument("--envoy-admin", help="Envoy's admin API, e.g. http://127.0.0.1:9901")
+    p.add_argument(
+        "--envoy-config", help="an envoy.yaml to compare clusters with (default: Envoy's live config_dump)"
+    )
+    p.add_argument("--redis", help="Redis URL holding the snapshots (default: the YAML's fleet.url)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds allowed for each part's answers")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="repeat the checks until all pass or this long has gone by (for scripts that just started "
+        "the parts)",
+    )
+    p.set_defaults(func=_doctor)
+
     p = sub.add_parser("sim", help="run simulated OpenAI-compatible engines (no GPU)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address the engines listen on")
     p.add_argument("--port", type=int, default=8001, help="first port; engine i listens on port+i")
     p.add_argument("--count", type=int, default=2, help="engines (when one delay is given)")
-    p.add_argument("--model", default="sim-llama")
+    p.add_argument("--model", default="sim-llama", help="model name the engines serve and report")
     p.add_argument(
         "--token-delay-ms", default="5", help="time per output token; a comma list gives one engine per value"
     )
@@ -384,13 +607,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--time-scale", type=float, default=1.0, help="virtual seconds per real second (model only)"
     )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="publish vLLM-format KV-cache events (ZMQ PUB) on this port + i for engine i (0: any free "
+        "port; needs --profile); `llm-extproc publish` subscribes with `kv_events:` per instance",
+    )
+    p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events (vLLM's default: '')")
     p.set_defaults(func=_sim)
 
     p = sub.add_parser("demo", help="Envoy + llm-extproc + simulated engines, side by side with round robin")
-    p.add_argument("--requests", type=int, default=150)
+    p.add_argument("--requests", type=int, default=150, help="timed requests per policy")
     p.add_argument("--rate", type=float, default=3.5, help="open-loop arrival rate, requests/s")
     p.add_argument("--tenants", type=int, default=64, help="tenants with their own 2000-token system prompt")
-    p.add_argument("--out", default="out/demo")
+    p.add_argument("--out", default="out/demo", help="folder for the report, plots and logs")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="run a named workload against OpenAI-compatible targets, side by side")
@@ -435,18 +665,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--param", action="append", help="workload parameter KEY=VALUE, e.g. tenants=96")
     p.add_argument("--rate", type=float, default=5.0, help="mean arrival rate, requests/s (open loop)")
     p.add_argument("--count", type=int, default=200, help="timed requests (after the warm-up)")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="sim-llama")
+    p.add_argument("--warmup", type=int, default=10, help="untimed requests sent first")
+    p.add_argument("--seed", type=int, default=0, help="workload random seed")
+    p.add_argument("--model", default="sim-llama", help="model name put in the requests")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO: time to first token, s")
     p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO: time per output token, s")
-    p.add_argument("--out", default="out/bench")
+    p.add_argument("--out", default="out/bench", help="folder for reports and plots")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser(
         "simulate", help="discrete-event mode: policies over many simulated engines, no sockets"
     )
-    p.add_argument("--workload", default="shared-prefix")
+    p.add_argument("--workload", default="shared-prefix", help="named workload (as for bench)")
     p.add_argument(
         "--policies",
         help=f"comma list (default: {','.join(SIMULATE_POLICIES)}; with --grid every one of "
@@ -458,22 +688,40 @@ def build_parser() -> argparse.ArgumentParser:
         "(cells, capacity and targets: docs/benchmarks.md); writes grid-NAME.json and .md under --out",
     )
     p.add_argument("--profiles", default="a10g-llama3-8b", help="GPU profile(s), cycled over the engines")
-    p.add_argument("--engines", type=int, default=16)
-    p.add_argument("--rate", type=float, default=20.0)
-    p.add_argument("--count", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engines", type=int, default=16, help="simulated engines")
+    p.add_argument("--rate", type=float, default=20.0, help="mean arrival rate, requests/s")
+    p.add_argument("--count", type=int, default=2000, help="requests")
+    p.add_argument("--seed", type=int, default=0, help="workload random seed")
     p.add_argument("--param", action="append", help="workload parameter KEY=VALUE")
     p.add_argument("--publish-interval", type=float, default=1.0, help="seconds between fleet snapshots")
-    p.add_argument("--slo-ttft", type=float, default=1.0)
-    p.add_argument("--slo-tpot", type=float, default=0.1)
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="goodput SLO: time to first token, s")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO: time per output token, s")
     p.add_argument("--out", default="out/simulate", help="output folder (with --grid: default out/grid)")
     p.set_defaults(func=_simulate)
 
     p = sub.add_parser("bench-overhead", help="latency/throughput through Envoy with vs without llm-extproc")
-    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--requests", type=int, default=400, help="requests per mode and concurrency")
     p.add_argument("--concurrency", default="1,8", help="comma list of closed-loop concurrencies")
     p.add_argument("--modes", default="BUFFERED,FULL_DUPLEX_STREAMED", help="ext_proc request body modes")
-    p.add_argument("--out", default="out/overhead")
+    p.add_argument("--out", default="out/overhead", help="output folder")
+    p.add_argument(
+        "--workers",
+        metavar="N,N",
+        help="instead: `serve --workers N` for each N (Redis + publisher, ~1k-token chat prompts, "
+        "the last --concurrency) against Envoy direct, with CPU per routed request",
+    )
+    p.add_argument(
+        "--worker-ports",
+        choices=("shared", "consecutive"),
+        default="consecutive",
+        help="with --workers: one SO_REUSEPORT port, or port + i per worker listed in envoy.yaml",
+    )
+    p.add_argument(
+        "--same-prompt",
+        action="store_true",
+        help="with --workers: send one prompt repeatedly (the token cache serves it) instead of a "
+        "different ~1k-token user turn per request",
+    )
     p.set_defaults(func=_overhead)
 
     p = sub.add_parser(
@@ -481,11 +729,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="what tokenization adds to a routing decision: tok/s, latency, multi-turn cache, loop stalls",
     )
     p.add_argument("--runs", type=int, default=20, help="prompts per size")
-    p.add_argument("--out", default="out/tokenization")
+    p.add_argument("--out", default="out/tokenization", help="output folder")
     p.set_defaults(func=_tokenization_bench)
 
     p = sub.add_parser("bench-fleet", help="snapshot ingestion rate and decision latency vs fleet size")
-    p.add_argument("--out", default="out/fleet")
+    p.add_argument("--out", default="out/fleet", help="output folder")
     p.set_defaults(func=_fleet_bench)
 
     p = sub.add_parser(
@@ -498,18 +746,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=15.0, help="small-request probe time per phase")
     p.add_argument("--rate", type=float, default=20.0, help="small requests per second (open loop)")
     p.add_argument("--service", help="YAML merged into the service config, e.g. 'bodies: {workers: 1}'")
-    p.add_argument("--out", default="out/big-bodies")
+    p.add_argument("--out", default="out/big-bodies", help="output folder")
     p.set_defaults(func=_big_bodies_bench)
 
+    _finish_subcommands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level, args.log_format)
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:

@@ -13,8 +13,10 @@ from typing import Any
 
 import yaml
 
+from extproc.discovery.settings import DiscoverySettings, discovery_settings
 from extproc.fleet import Pool, RoutingMode, pool_from_config
 from extproc.scheduling import Profile, profile_from_config
+from extproc.scheduling.explain import ExplainSettings, explain_settings
 from extproc.settings import (
     DEFAULT_BODY_OFFLOAD_BYTES,
     DEFAULT_BODY_TRIM_INTERVAL_S,
@@ -34,9 +36,11 @@ from extproc.settings import (
     ENV_REDIS_PASSWORD,
     MAX_SHUTDOWN_ANNOUNCE_S,
     RELEASE_MODES,
+    AdmissionSettings,
     ConfigError,
     HeaderNames,
     RedisSettings,
+    admission_settings,
     check_keys,
     integer,
     listen_address,
@@ -82,6 +86,47 @@ def _bodies(raw: Any) -> BodySettings:
     return BodySettings(**values)
 
 
+@dataclass(slots=True, frozen=True)
+class SyncSettings:
+    """Replicas sharing their decisions through the fleet's Redis (`sync:`; server/sync.py,
+    docs/fleet-state.md "Shared state between replicas")."""
+
+    enabled: bool = True
+    """On by default whenever `fleet:` configures Redis; without Redis there is nothing to share."""
+    interval_s: float = 0.02
+    """How often this replica publishes its decisions (when it has any)."""
+    heartbeat_s: float = 0.5
+    """The longest silence: an idle replica still publishes its in-flight counts this often."""
+    expire_s: float = 3.0
+    """Another replica's counts (and pinned cache blocks) are dropped after this long without a word."""
+    max_message_bytes: int = 512 * 1024
+    max_updates_per_s: int = 20_000
+    """Beyond these, updates are dropped (counted) and peers release what this replica pinned."""
+    state_interval_s: float = 5.0
+    """How often the learnt state is written to Redis for a replica that starts late."""
+
+
+def _sync(raw: Any) -> SyncSettings:
+    where = "config: 'sync'"
+    section = mapping(raw, where)
+    check_keys(section, SyncSettings.__dataclass_fields__, where)
+    values: dict[str, Any] = {}
+    if "enabled" in section:
+        if not isinstance(section["enabled"], bool):
+            raise ConfigError(f"{where}.enabled must be true or false")
+        values["enabled"] = section["enabled"]
+    for key in ("interval_s", "heartbeat_s", "expire_s", "state_interval_s"):
+        if key in section:
+            values[key] = number(section[key], f"{where}.{key}", positive=True)
+    for key in ("max_message_bytes", "max_updates_per_s"):
+        if key in section:
+            values[key] = integer(section[key], f"{where}.{key}", minimum=1)
+    settings = SyncSettings(**values)
+    if settings.expire_s <= settings.heartbeat_s:
+        raise ConfigError(f"{where}.expire_s must exceed heartbeat_s (a live replica would expire)")
+    return settings
+
+
 @dataclass(slots=True)
 class ServiceConfig:
     pool: Pool
@@ -100,11 +145,21 @@ class ServiceConfig:
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     headers: HeaderNames = field(default_factory=HeaderNames)
     endpoint_metadata_namespace: str = DEFAULT_ENDPOINT_METADATA_NAMESPACE
+    fallbacks: int = 0
+    """Endpoint mode: next-best endpoints listed after the pick, for the proxy's retries (0: none)."""
+    discovery: DiscoverySettings | None = None
+    """Endpoints learnt at run time (`discovery:`, extproc.discovery); None: the YAML's list only."""
     fleet: RedisSettings | None = None
     """Live fleet state from Redis; None keeps the static pool with the service's own counts."""
     tokenizers: TokenizerRegistry | None = None
     """Per-model tokenizers (`tokenizers:` in the YAML); None: plugins estimate ~4 bytes per token."""
     bodies: BodySettings = field(default_factory=BodySettings)
+    sync: SyncSettings = field(default_factory=SyncSettings)
+    """Replica sync through the fleet's Redis (used only when `fleet` is set)."""
+    explain: ExplainSettings = field(default_factory=ExplainSettings)
+    """Decision explanation (`explain:`): the x-llm-decision header and /debug/decisions; off by default."""
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    """Priorities, shedding and the fair admission queue (`admission:`; lifecycle/admission.py)."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
@@ -132,7 +187,19 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     return config_from_dict(raw, base_dir=Path(chosen).parent, **overrides)
 
 
-_SECTIONS = ("routing", "pool", "scheduling", "headers", "fleet", "tokenizers", "bodies")
+_SECTIONS = (
+    "routing",
+    "pool",
+    "scheduling",
+    "headers",
+    "fleet",
+    "tokenizers",
+    "bodies",
+    "sync",
+    "explain",
+    "admission",
+    "discovery",
+)
 
 
 def _scalars(raw: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +236,8 @@ def _scalars(raw: dict[str, Any]) -> dict[str, Any]:
         out["endpoint_metadata_namespace"] = string(
             raw["endpoint_metadata_namespace"], "config: 'endpoint_metadata_namespace'"
         )
+    if "fallbacks" in raw:
+        out["fallbacks"] = integer(raw["fallbacks"], "config: 'fallbacks'", minimum=0)
     return out
 
 
@@ -182,6 +251,7 @@ _SCALAR_KEYS = (
     "release_on",
     "lease_timeout_s",
     "endpoint_metadata_namespace",
+    "fallbacks",
 )
 
 
@@ -201,7 +271,17 @@ def config_from_dict(
     check_keys(pool_raw, ("clusters",), "config: 'pool'")
     if not isinstance(pool_raw.get("clusters"), list):
         raise ConfigError("config: 'pool.clusters' is required and must be a list")
-    pool = pool_from_config(pool_raw["clusters"], mode)
+    discovery = discovery_settings(raw.get("discovery"))
+    discovered = discovery.clusters() if discovery is not None else ()
+    names = {c.get("name") for c in pool_raw["clusters"] if isinstance(c, dict)}
+    for name in discovered:
+        if mode is not RoutingMode.ENDPOINT:
+            raise ConfigError("config: 'discovery' fills endpoints: it needs 'routing: endpoint'")
+        if name not in names:
+            raise ConfigError(f"config: discovery cluster '{name}' is not in 'pool.clusters'")
+    pool = pool_from_config(pool_raw["clusters"], mode, discovered)
+    if scalars.get("fallbacks", 0) > 0 and mode is not RoutingMode.ENDPOINT:
+        raise ConfigError("config: 'fallbacks' needs 'routing: endpoint' (it lists endpoints)")
 
     sched = mapping(raw.get("scheduling"), "config: 'scheduling'")
     check_keys(sched, ("profile", "profiles"), "config: 'scheduling'")
@@ -232,7 +312,11 @@ def config_from_dict(
         except (ValueError, OSError) as exc:
             raise ConfigError(f"config: {exc}") from None
     return ServiceConfig(
+        discovery=discovery,
         bodies=_bodies(raw.get("bodies")),
+        sync=_sync(raw.get("sync")),
+        explain=explain_settings(raw.get("explain")),
+        admission=admission_settings(raw.get("admission")),
         tokenizers=tokenizers,
         fleet=fleet,
         pool=pool,

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,12 @@ ENV_REDIS_PASSWORD = "LLM_EXTPROC_REDIS_PASSWORD"
 # gRPC initial metadata key naming the scheduling profile for a route; set it in envoy.yaml with
 # ExtProcPerRoute.overrides.grpc_initial_metadata.
 PROFILE_METADATA_KEY = "x-llm-profile"
+# Route metadata (the same grpc_initial_metadata) for admission (lifecycle/admission.py): a route can
+# fix a request's priority class, cap the class its clients may ask for, and set a default TTFT
+# objective. Values: critical | standard | sheddable (or an integer: > 0 critical, < 0 sheddable).
+PRIORITY_METADATA_KEY = "x-llm-priority"
+MAX_PRIORITY_METADATA_KEY = "x-llm-max-priority"
+TTFT_SLO_METADATA_KEY = "x-llm-ttft-slo-ms"
 DEFAULT_LISTEN = "127.0.0.1:9002"
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9090"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -93,7 +100,9 @@ DEFAULT_BODY_TRIM_INTERVAL_S = 2.0
 # model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global
 # KV-usage cut-off: a busy engine that holds the prompt's prefix is often still the best place for it.
 # Chosen in the discrete-event mode over the robustness grid (docs/benchmarks.md).
+# `slo-ttft` passes every request through unless it carries a TTFT objective (x-llm-ttft-slo-ms).
 DEFAULT_PROFILE: dict[str, Any] = {
+    "filters": ["slo-ttft"],
     "scorers": [{"name": "predicted-ttft", "weight": 1.0}],
     "picker": "max-score",
 }
@@ -120,8 +129,69 @@ class HeaderNames:
     session: str = "x-session-id"
     user: str = "x-user-id"
     priority: str = "x-llm-priority"
+    ttft_slo: str = "x-llm-ttft-slo-ms"  # the client's time-to-first-token objective (opt-in shedding)
     ticket: str = "x-llm-ticket"  # set on routed requests; Envoy's access log echoes it back
     stream: str = "x-llm-stream"  # set on streaming requests: envoy.yaml gives them a header timeout
+
+
+# -- admission (lifecycle/admission.py, `admission:` in the service YAML) ---------------------------
+# A model is saturated when none of its candidates has headroom: per unit of capacity weight, fewer
+# than `max_waiting_per_weight` requests queued at the engine (its last snapshot's waiting count plus
+# what was sent since) and fewer than `max_inflight_per_weight` of this process's own in-flight
+# requests (the only signal without snapshots). At saturation sheddable requests get 429 at once,
+# standard ones wait in a fair queue (round robin over tenants) for at most `max_wait_s`, critical
+# ones are admitted. `max_wait_s` must stay below Envoy's ext_proc message_timeout (2 s in the
+# shipped envoy.yaml): Envoy gives up on a reply that takes longer.
+DEFAULT_ADMISSION_MAX_WAITING_PER_WEIGHT = 16.0
+DEFAULT_ADMISSION_MAX_INFLIGHT_PER_WEIGHT = 256.0
+DEFAULT_ADMISSION_MAX_QUEUED = 1024
+DEFAULT_ADMISSION_MAX_WAIT_S = 1.5
+DEFAULT_ADMISSION_RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionSettings:
+    """`admission:` in the service YAML (see the comment above and docs/tuning.md)."""
+
+    enabled: bool = True
+    max_waiting_per_weight: float = DEFAULT_ADMISSION_MAX_WAITING_PER_WEIGHT
+    max_inflight_per_weight: float = DEFAULT_ADMISSION_MAX_INFLIGHT_PER_WEIGHT
+    max_kv_usage: float | None = None
+    """A candidate whose engine reports at least this KV-cache usage has no headroom (None: unused)."""
+    max_predicted_wait_s: float | None = None
+    """A candidate whose predicted prefill queue (the default profile's `predicted-ttft` model,
+    seconds) reaches this has no headroom; below it, the headroom is what is left over the mean
+    prefill of a request sent there (None: unused)."""
+    max_queued: int = DEFAULT_ADMISSION_MAX_QUEUED
+    max_wait_s: float = DEFAULT_ADMISSION_MAX_WAIT_S
+    retry_after_s: int = DEFAULT_ADMISSION_RETRY_AFTER_S
+
+
+def admission_settings(raw: Any, where: str = "config: 'admission'") -> AdmissionSettings:
+    """A validated AdmissionSettings from a YAML mapping (absent: the defaults, admission on)."""
+    section = mapping(raw, where)
+    check_keys(section, AdmissionSettings.__dataclass_fields__, where)
+    values: dict[str, Any] = {}
+    if "enabled" in section:
+        if not isinstance(section["enabled"], bool):
+            raise ConfigError(f"{where}.enabled must be true or false, got {section['enabled']!r}")
+        values["enabled"] = section["enabled"]
+    for key in ("max_waiting_per_weight", "max_inflight_per_weight", "max_wait_s"):
+        if key in section:
+            values[key] = number(section[key], f"{where}.{key}", positive=True)
+    if section.get("max_predicted_wait_s") is not None:
+        values["max_predicted_wait_s"] = number(
+            section["max_predicted_wait_s"], f"{where}.max_predicted_wait_s", positive=True
+        )
+    if section.get("max_kv_usage") is not None:
+        values["max_kv_usage"] = number(
+            section["max_kv_usage"], f"{where}.max_kv_usage", minimum=0.0, maximum=1.0
+        )
+    if "max_queued" in section:
+        values["max_queued"] = integer(section["max_queued"], f"{where}.max_queued", minimum=0)
+    if "retry_after_s" in section:
+        values["retry_after_s"] = integer(section["retry_after_s"], f"{where}.retry_after_s", minimum=1)
+    return AdmissionSettings(**values)
 
 
 # -- fleet state (Redis feed and view) -------------------------------------------------------------
@@ -139,7 +209,12 @@ REDIS_CONNECT_TIMEOUT_S = 2.0
 
 @dataclass(slots=True)
 class RedisSettings:
-    """Where the fleet's snapshots live. Key names are derived here so publisher and service agree."""
+    """Where the fleet's snapshots live. Key names are derived here so publisher and service agree.
+
+    Topology (docs/fleet-state.md): a plain `redis://` / `rediss://` / `unix://` URL is one server;
+    `redis+sentinel://h:p,h:p/<master>/<db>` (or `sentinels:` + `master_name:`) follows the master
+    that Sentinel names; `redis+cluster://h:p,h:p` (or `cluster: true`) is a Redis Cluster, where
+    every key of the pool carries one hash tag so the pool lives in one slot."""
 
     url: str = DEFAULT_REDIS_URL
     username: str | None = None
@@ -148,10 +223,20 @@ class RedisSettings:
     pool: str = "default"
     key_prefix: str | None = None
     resync_interval_s: float = 5.0
+    sentinels: tuple[str, ...] = ()  # "host:port" of each Sentinel; needs master_name
+    master_name: str | None = None
+    cluster: bool = False
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or self.url.startswith(CLUSTER_SCHEMES)
 
     @property
     def prefix(self) -> str:
-        return self.key_prefix or f"llm-extproc:{self.pool}"
+        base = self.key_prefix or f"llm-extproc:{self.pool}"
+        if self.is_cluster and "{" not in base:
+            return "{" + base + "}"  # one hash slot for the whole pool: MGET and SCAN stay on one node
+        return base
 
     @property
     def channel(self) -> str:
@@ -159,6 +244,80 @@ class RedisSettings:
 
     def key(self, upstream_id: str) -> str:
         return f"{self.prefix}:snap:{upstream_id}"
+
+
+STANDALONE_SCHEMES = ("redis://", "rediss://", "unix://")
+SENTINEL_SCHEMES = ("redis+sentinel://", "rediss+sentinel://")
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+@dataclass(slots=True, frozen=True)
+class RedisTopology:
+    """What `RedisSettings` points at, parsed once: the client factory and the config checks share it."""
+
+    kind: str  # "standalone" | "sentinel" | "cluster"
+    nodes: tuple[tuple[str, int], ...] = ()  # sentinels, or cluster seed nodes
+    master_name: str | None = None
+    db: int = 0
+    tls: bool = False
+    username: str | None = None  # from the URL; RedisSettings.username/password take precedence
+    password: str | None = None
+
+
+def _host_port(text: str, where: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: {text!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def redis_topology(settings: RedisSettings, where: str = "redis") -> RedisTopology:
+    """Parse the URL (and the sentinels/master_name/cluster keys) into a topology; ConfigError if bad."""
+    url = settings.url
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigError(f"{where}: 'url' {url!r} has no scheme")
+    tls = scheme.startswith("rediss")
+    userinfo, at, hostpart = rest.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    hosts, _, path = hostpart.partition("/")
+    parts = [p for p in path.split("/") if p]
+    if settings.sentinels or url.startswith(SENTINEL_SCHEMES):
+        if settings.sentinels:
+            nodes = tuple(_host_port(s, f"{where}.sentinels") for s in settings.sentinels)
+            master = settings.master_name
+            db = int(parts[-1]) if parts and parts[-1].isdigit() and not url.startswith("unix") else 0
+        else:
+            nodes = tuple(_host_port(h, f"{where}.url") for h in hosts.split(",") if h)
+            master = settings.master_name or (parts[0] if parts else None)
+            db = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        if not nodes:
+            raise ConfigError(f"{where}: Sentinel needs at least one host:port")
+        if not master:
+            raise ConfigError(
+                f"{where}: Sentinel needs a master name (redis+sentinel://h:p,h:p/<master>/<db> "
+                "or 'master_name')"
+            )
+        return RedisTopology("sentinel", nodes, master, db, tls, username, password)
+    if settings.is_cluster:
+        if url.startswith("unix://"):
+            raise ConfigError(f"{where}: a Redis Cluster needs host:port seed nodes, not a unix socket")
+        nodes = tuple(_host_port(h, f"{where}.url") for h in hosts.split(",") if h)
+        if not nodes:
+            raise ConfigError(f"{where}: a Redis Cluster needs at least one seed host:port")
+        if parts and parts[0] not in ("0",):
+            raise ConfigError(f"{where}: a Redis Cluster has only database 0")
+        return RedisTopology("cluster", nodes, None, 0, tls, username, password)
+    if not url.startswith(STANDALONE_SCHEMES):
+        raise ConfigError(
+            f"{where}: 'url' must be a redis://, rediss://, unix://, redis+sentinel:// or "
+            "redis+cluster:// URL"
+        )
+    return RedisTopology("standalone", tls=tls, username=username, password=password)
 
 
 def redis_settings(raw: Any, where: str, password_env: str | None = None) -> RedisSettings:
@@ -169,11 +328,18 @@ def redis_settings(raw: Any, where: str, password_env: str | None = None) -> Red
     for key, value in raw.items():
         if key == "resync_interval_s":
             values[key] = number(value, f"{where}.{key}", positive=True)
+        elif key == "sentinels":
+            values[key] = tuple(string_list(value, f"{where}.{key}"))
+        elif key == "cluster":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}.{key} must be true or false")
+            values[key] = value
         elif value is not None:
             values[key] = string(value, f"{where}.{key}")
     settings = RedisSettings(**values)
-    if not settings.url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(f"{where}: 'url' must be a redis://, rediss:// or unix:// URL")
+    if settings.sentinels and settings.is_cluster:
+        raise ConfigError(f"{where}: choose Sentinel or Cluster, not both")
+    redis_topology(settings, where)
     if settings.password is None and password_env is not None:
         settings.password = os.environ.get(password_env) or None
     return settings

@@ -11,6 +11,7 @@ import yaml
 from extproc.config import ServiceConfig, config_from_dict, load_config
 from extproc.fleet import ClusterSpec, InFlight, Lease, Pool, RoutingMode, Upstream, pool_from_config
 from extproc.fleet.pool import WILDCARD, parse_endpoint
+from extproc.scheduling import plugin_name
 from extproc.scheduling.plugins import (
     LeastOutstandingScorer,
     MaxInflightFilter,
@@ -334,7 +335,9 @@ class TestLoadConfig:
         assert cfg.grpc_max_message_bytes >= cfg.max_body_bytes + MIB
         assert cfg.profile.name == "default"
         assert [(type(s), w) for s, w in cfg.profile.scorers] == [(PredictedTtftScorer, 1.0)]
-        assert cfg.profile.filters == ()  # no global KV-usage cut-off
+        # no global KV-usage cut-off; slo-ttft acts only on requests that carry a TTFT objective
+        assert [plugin_name(f) for f in cfg.profile.filters] == ["slo-ttft"]
+        assert cfg.admission.enabled and cfg.admission.max_wait_s < 2.0  # Envoy's message_timeout
         scorer = cfg.profile.scorers[0][0]
         assert isinstance(scorer, PredictedTtftScorer) and scorer.prefill_tokens_per_s == 2400
         assert cfg.fleet is not None and cfg.fleet.prefix == "llm-extproc:default"

@@ -339,6 +339,9 @@ def test_service_deployment_matches_its_config(
     # Ready = serving the ext_proc service on the routing port; SIGTERM turns it NOT_SERVING.
     assert c["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": EXT_PROC_SERVICE}
     assert "grpc" not in c["livenessProbe"], "a draining replica is NOT_SERVING on purpose"
+    # Alive = the event loop turns (/healthz on the metrics port; /metrics would answer from its thread
+    # even with the loop stuck).
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     # Kubernetes must not SIGKILL before announce + drain are over.
     assert pod["terminationGracePeriodSeconds"] >= cfg.shutdown_announce_s + cfg.shutdown_grace_s + 3
     assert cfg.shutdown_announce_s >= DEFAULT_SHUTDOWN_ANNOUNCE_S

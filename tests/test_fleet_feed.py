@@ -61,7 +61,14 @@ def snapshot(
 class Harness:
     def __init__(self, url: str, resync: float = 5.0) -> None:
         self.config = config_from_dict(
-            {"pool": POOL, "metrics_listen": None, "fleet": {"url": url, "resync_interval_s": resync}}
+            {
+                "pool": POOL,
+                "metrics_listen": None,
+                "fleet": {"url": url, "resync_interval_s": resync},
+                # These tests hold dozens of requests to see routing follow the engines' queues; with
+                # admission on, the queues past its limits would be shed (tests/test_admission.py).
+                "admission": {"enabled": False},
+            }
         )
         assert self.config.fleet is not None
         self.settings: RedisSettings = self.config.fleet

@@ -35,6 +35,7 @@ from extproc.scheduling.plugins import (
 )
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.scheduling.prefix import PrefixAffinityScorer
+from extproc.scheduling.slo import SloTtftFilter
 from extproc.settings import AFFINITY_V1_PROFILE, DEFAULT_PROFILE
 
 
@@ -554,7 +555,7 @@ class TestProfileFromConfig:
     def test_default_profile(self) -> None:
         profile = profile_from_config("default", DEFAULT_PROFILE)
         assert [(type(s), w) for s, w in profile.scorers] == [(PredictedTtftScorer, 1.0)]
-        assert profile.filters == ()
+        assert [type(f) for f in profile.filters] == [SloTtftFilter]  # a no-op without an objective
 
     def test_affinity_v1_profile(self) -> None:
         profile = profile_from_config("v1", AFFINITY_V1_PROFILE)
@@ -627,7 +628,7 @@ class TestProfileFromConfig:
 
 class TestRegistry:
     def test_registered_lists_builtins_sorted(self) -> None:
-        assert registered("filter") == ["lora-affinity", "max-inflight", "saturation"]
+        assert registered("filter") == ["lora-affinity", "max-inflight", "saturation", "slo-ttft"]
         assert registered("scorer") == [
             "gpu-utilization",
             "kv-cache-usage",

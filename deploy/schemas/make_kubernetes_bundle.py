@@ -22,6 +22,8 @@ KINDS = {
     ("v1", "ServiceAccount"): "serviceaccount-v1.json",
     ("apps/v1", "Deployment"): "deployment-apps-v1.json",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudget-policy-v1.json",
+    ("rbac.authorization.k8s.io/v1", "Role"): "role-rbac-v1.json",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebinding-rbac-v1.json",
 }
 # kind files point into _definitions.json; definitions point at each other inside it
 PREFIXES = ("/api/_definitions.json#/$defs/", "#/$defs/")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from extproc.fleet.pool import Upstream
@@ -32,16 +33,23 @@ class Lease:
 class InFlight:
     """Outstanding requests per upstream id. Single-threaded (event loop) use only."""
 
-    __slots__ = ("_counts", "_hook")
+    __slots__ = ("_counts", "_hook", "_watch")
 
     def __init__(self, on_change: ChangeHook | None = None) -> None:
         self._counts: dict[str, int] = {}
         self._hook = on_change
+        self._watch: Callable[[], None] | None = None
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Also call `callback()` after every change (replica sync: news to publish)."""
+        self._watch = callback
 
     def acquire(self, upstream: Upstream) -> Lease:
         self._counts[upstream.id] = self._counts.get(upstream.id, 0) + 1
         if self._hook is not None:
             self._hook(upstream.cluster, 1)
+        if self._watch is not None:
+            self._watch()
         return Lease(self, upstream)
 
     def count(self, upstream_id: str) -> int:
@@ -49,6 +57,10 @@ class InFlight:
 
     def total(self) -> int:
         return sum(self._counts.values())
+
+    def counts(self) -> dict[str, int]:
+        """A copy of every nonzero count (what replicas publish to each other)."""
+        return dict(self._counts)
 
     def _decrement(self, upstream: Upstream) -> None:
         left = self._counts.get(upstream.id, 0) - 1
@@ -58,3 +70,64 @@ class InFlight:
             self._counts.pop(upstream.id, None)
         if self._hook is not None:
             self._hook(upstream.cluster, -1)
+        if self._watch is not None:
+            self._watch()
+
+
+class RemoteInFlight:
+    """Other replicas' in-flight requests per upstream, as each last reported its *full* count (not
+    deltas: a lost message costs nothing once the next arrives). A replica silent for `expire_s` is
+    dropped, so the counts of one that died or lost Redis vanish instead of pinning upstreams.
+
+    `count()` is a dict lookup on the summed table (the request path); `update`/`expire` run in the
+    sync task. Single-threaded (event loop) use only."""
+
+    __slots__ = ("_by_origin", "_seen", "_total", "clock", "expire_s")
+
+    def __init__(self, expire_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.expire_s = expire_s
+        self.clock = clock
+        self._by_origin: dict[str, dict[str, int]] = {}
+        self._seen: dict[str, float] = {}
+        self._total: dict[str, int] = {}
+
+    def update(self, origin: str, counts: dict[str, int]) -> None:
+        """`origin`'s full in-flight counts now (upstreams it does not list: 0)."""
+        self._seen[origin] = self.clock()
+        old = self._by_origin.get(origin)
+        if old == counts:
+            return
+        self._add(old, -1)
+        self._add(counts, 1)
+        self._by_origin[origin] = dict(counts)
+
+    def forget(self, origin: str) -> bool:
+        self._seen.pop(origin, None)
+        old = self._by_origin.pop(origin, None)
+        self._add(old, -1)
+        return old is not None
+
+    def expire(self) -> list[str]:
+        """Drop replicas not heard from within expire_s; returns their ids."""
+        deadline = self.clock() - self.expire_s
+        gone = [o for o, t in self._seen.items() if t < deadline]
+        for origin in gone:
+            self.forget(origin)
+        return gone
+
+    def origins(self) -> list[str]:
+        return list(self._seen)
+
+    def count(self, upstream_id: str) -> int:
+        return self._total.get(upstream_id, 0)
+
+    def _add(self, counts: dict[str, int] | None, sign: int) -> None:
+        if not counts:
+            return
+        total = self._total
+        for uid, n in counts.items():
+            left = total.get(uid, 0) + sign * n
+            if left > 0:
+                total[uid] = left
+            else:
+                total.pop(uid, None)

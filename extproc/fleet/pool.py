@@ -47,6 +47,8 @@ class ClusterSpec:
 class Pool:
     clusters: tuple[ClusterSpec, ...]
     mode: RoutingMode = RoutingMode.CLUSTER
+    discovered: frozenset[str] = frozenset()
+    """Clusters whose endpoints come from discovery (extproc.discovery): they may start empty."""
     _by_model: dict[str, tuple[Upstream, ...]] = field(init=False, default_factory=dict)
     _wildcard: tuple[Upstream, ...] = field(init=False, default=())
     _all: tuple[Upstream, ...] = field(init=False, default=())
@@ -55,13 +57,34 @@ class Pool:
         names = [c.name for c in self.clusters]
         if len(set(names)) != len(names):
             raise ConfigError("pool: cluster names must be unique")
+        self._index()
+
+    def set_endpoints(self, cluster: str, endpoints: Iterable[str]) -> bool:
+        """Replace one cluster's endpoints (discovery, at run time); False when nothing changed.
+        The indices are rebuilt and swapped whole, so a decision never sees a half-updated pool."""
+        found = next((c for c in self.clusters if c.name == cluster), None)
+        if found is None:
+            raise KeyError(f"pool has no cluster '{cluster}'")
+        addresses = tuple(dict.fromkeys(parse_endpoint(e) for e in endpoints))
+        if addresses == found.endpoints:
+            return False
+        spec = ClusterSpec(name=found.name, models=found.models, endpoints=addresses, weight=found.weight)
+        self.clusters = tuple(spec if c.name == cluster else c for c in self.clusters)
+        self._index()
+        return True
+
+    def endpoint_count(self) -> int:
+        return sum(1 for u in self._all if u.address is not None)
+
+    def _index(self) -> None:
         by_model: dict[str, list[Upstream]] = {}
         wildcard: list[Upstream] = []
         everything: list[Upstream] = []
         for spec in self.clusters:
-            ups = _upstreams(spec, self.mode)
+            ups = _upstreams(spec, self.mode, spec.name in self.discovered)
             everything.extend(ups)
             for model in spec.models:
+                # A model stays known while its cluster has no endpoint (503, not 404).
                 (wildcard if model == WILDCARD else by_model.setdefault(model, [])).extend(ups)
         self._by_model = {m: tuple(u) for m, u in by_model.items()}
         self._wildcard = tuple(wildcard)
@@ -84,10 +107,10 @@ class Pool:
         return [c.name for c in self.clusters]
 
 
-def _upstreams(spec: ClusterSpec, mode: RoutingMode) -> list[Upstream]:
+def _upstreams(spec: ClusterSpec, mode: RoutingMode, discovered: bool = False) -> list[Upstream]:
     if mode is RoutingMode.CLUSTER:
         return [Upstream(id=spec.name, cluster=spec.name, address=None, weight=spec.weight)]
-    if not spec.endpoints:
+    if not spec.endpoints and not discovered:
         raise ConfigError(f"pool: cluster '{spec.name}' needs 'endpoints' in endpoint routing mode")
     return [
         Upstream(id=f"{spec.name}/{addr}", cluster=spec.name, address=addr, weight=spec.weight)
@@ -113,7 +136,7 @@ def parse_endpoint(addr: str) -> str:
     return addr
 
 
-def pool_from_config(raw: Iterable[Any], mode: RoutingMode) -> Pool:
+def pool_from_config(raw: Iterable[Any], mode: RoutingMode, discovered: Iterable[str] = ()) -> Pool:
     specs: list[ClusterSpec] = []
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
@@ -138,4 +161,19 @@ def pool_from_config(raw: Iterable[Any], mode: RoutingMode) -> Pool:
         )
     if not specs:
         raise ConfigError("pool: at least one cluster is required")
-    return Pool(clusters=tuple(specs), mode=mode)
+    return Pool(clusters=tuple(specs), mode=mode, discovered=frozenset(discovered))
+
+
+def endpoint_host(addr: str) -> str:
+    """The IP part of `ip:port` / `[v6]:port` (brackets kept, as a subset hint would write it)."""
+    return addr.rpartition(":")[0] or addr
+
+
+def within_subset(candidates: Iterable[Upstream], subset: frozenset[str]) -> tuple[Upstream, ...]:
+    """The candidates a proxy's subset hint allows: an entry `ip:port` names one endpoint, a bare IP
+    every port of that host. Cluster-mode upstreams (no address) never match: a hint names endpoints."""
+    return tuple(
+        u
+        for u in candidates
+        if u.address is not None and (u.address in subset or endpoint_host(u.address) in subset)
+    )

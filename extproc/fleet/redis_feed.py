@@ -11,8 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.exceptions import RedisError
 
 from extproc.fleet.snapshots import SnapshotRejected, decode
@@ -23,25 +28,165 @@ from extproc.settings import (
     REDIS_CONNECT_TIMEOUT_S,
     REDIS_SOCKET_TIMEOUT_S,
     RedisSettings,
+    RedisTopology,
+    redis_topology,
 )
 from extproc.telemetry import Metrics
 
 log = logging.getLogger("extproc.fleet")
 
 
-def redis_client(settings: RedisSettings) -> aioredis.Redis:
-    """A client for the fleet's Redis; the socket timeouts keep a hung Redis from pinning a task."""
-    kwargs: dict[str, object] = {
+RedisClient: TypeAlias = aioredis.Redis | RedisCluster
+"""What `redis_client` returns: one server or a Sentinel-followed master (`Redis`), or a `RedisCluster`.
+Both offer what the service and the publisher use (GET/SET/MGET/SCAN/PUBLISH, pipelines, pubsub,
+aclose), except that a Cluster's pipelines refuse PUBLISH: use `write_and_publish`."""
+
+
+def _client_kwargs(settings: RedisSettings, topology: RedisTopology) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
         "socket_timeout": REDIS_SOCKET_TIMEOUT_S,
         "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S,
     }
-    if settings.username:
-        kwargs["username"] = settings.username
-    if settings.password:
-        kwargs["password"] = settings.password
-    if settings.tls_ca_file:
-        kwargs["ssl_ca_certs"] = settings.tls_ca_file
+    username = settings.username or topology.username
+    password = settings.password or topology.password
+    if username:
+        kwargs["username"] = username
+    if password:
+        kwargs["password"] = password
+    if topology.kind == "standalone":
+        if settings.tls_ca_file:
+            kwargs["ssl_ca_certs"] = settings.tls_ca_file
+    elif topology.tls:
+        kwargs["ssl"] = True
+        if settings.tls_ca_file:
+            kwargs["ssl_ca_certs"] = settings.tls_ca_file
+    return kwargs
+
+
+class _SentinelPool(SentinelConnectionPool):
+    """Closes the Sentinel connections with the master's: a client made per reconnect leaks none."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        for sentinel in self.sentinel_manager.sentinels:
+            with contextlib.suppress(Exception):
+                await sentinel.aclose()
+
+
+def _sentinel_master(settings: RedisSettings, topology: RedisTopology) -> aioredis.Redis:
+    kwargs = _client_kwargs(settings, topology)
+    timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout")}
+    sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=timeouts)
+    assert topology.master_name is not None  # redis_topology checked it
+    # Every new connection asks the Sentinels for the current master, so a failover is followed by
+    # reconnecting; check_connection PINGs first, so a demoted master is not kept.
+    client: aioredis.Redis = sentinel.master_for(
+        topology.master_name,
+        connection_pool_class=_SentinelPool,
+        db=topology.db,
+        check_connection=True,
+        **kwargs,
+    )
+    return client
+
+
+class _FleetCluster(RedisCluster):
+    """A RedisCluster whose `pubsub()` works like the other topologies' (redis-py's ClusterPubSub
+    fails to SUBSCRIBE before the slot map is loaded): a plain connection to a live node, which
+    classic PUBLISH reaches from anywhere in the cluster."""
+
+    fleet_settings: RedisSettings
+
+    def pubsub(self, *_args: Any, **kwargs: Any) -> aioredis.client.PubSub:  # type: ignore[override]
+        return redis_pubsub_client(self.fleet_settings).pubsub(**kwargs)
+
+
+def redis_client(settings: RedisSettings) -> RedisClient:
+    """A client for the fleet's Redis in its topology (one server, Sentinel or Cluster); the socket
+    timeouts keep a hung Redis from pinning a task. For SUBSCRIBE use `redis_pubsub_client`."""
+    topology = redis_topology(settings)
+    kwargs = _client_kwargs(settings, topology)
+    if topology.kind == "sentinel":
+        return _sentinel_master(settings, topology)
+    if topology.kind == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in topology.nodes]
+        cluster = _FleetCluster(startup_nodes=nodes, **kwargs)
+        cluster.fleet_settings = settings
+        return cluster
     return aioredis.from_url(settings.url, **kwargs)
+
+
+class _FirstReachableConnection(aioredis.Connection):
+    """Connects to the first of several nodes that answers, starting after the one used last, so a
+    subscriber whose node died moves on to a live one on its next connect."""
+
+    def __init__(self, *, nodes: tuple[tuple[str, int], ...], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._nodes = nodes
+        self._next = random.randrange(len(nodes))
+
+    async def _connect(self) -> None:
+        error: BaseException | None = None
+        for _ in range(len(self._nodes)):
+            self.host, self.port = self._nodes[self._next]
+            self._next = (self._next + 1) % len(self._nodes)
+            try:
+                await super()._connect()
+                return
+            except (OSError, TimeoutError) as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+
+class _FirstReachableSSLConnection(_FirstReachableConnection, aioredis.SSLConnection):
+    pass
+
+
+def redis_pubsub_client(settings: RedisSettings) -> aioredis.Redis:
+    """A client whose `.pubsub()` follows the fleet's channels in every topology.
+
+    One server and Sentinel: the same client as `redis_client` (Sentinel: the current master).
+    Cluster: classic PUBLISH reaches every node of a cluster, so a plain connection to any live
+    node can SUBSCRIBE; this one tries the seed nodes in turn (list several in the URL)."""
+    topology = redis_topology(settings)
+    if topology.kind == "sentinel":
+        return _sentinel_master(settings, topology)
+    if topology.kind == "cluster":
+        kwargs = _client_kwargs(settings, topology)
+        if kwargs.pop("ssl", False):
+            kwargs["connection_class"] = _FirstReachableSSLConnection
+        else:
+            kwargs["connection_class"] = _FirstReachableConnection
+        host, port = topology.nodes[0]
+        pool = aioredis.ConnectionPool(host=host, port=port, nodes=topology.nodes, **kwargs)
+        return aioredis.Redis.from_pool(pool)
+    return aioredis.from_url(settings.url, **_client_kwargs(settings, topology))
+
+
+async def write_and_publish(
+    client: RedisClient,
+    messages: Sequence[tuple[str, bytes | str]],
+    snapshot: tuple[str, bytes, int] | None = None,
+) -> list[int] | None:
+    """SET `snapshot` (key, value, TTL ms) if given, then PUBLISH each (channel, message).
+
+    One pipelined round trip on one server or Sentinel's master; returns each PUBLISH's receiver
+    count. A Cluster's pipelines refuse PUBLISH, so there the SET goes first and the PUBLISHes follow
+    concurrently (classic PUBLISH reaches subscribers on every node); returns None, because a
+    cluster node counts only its own subscribers."""
+    if isinstance(client, RedisCluster):
+        if snapshot is not None:
+            await client.set(snapshot[0], snapshot[1], px=snapshot[2])
+        await asyncio.gather(*(client.publish(channel, data) for channel, data in messages))
+        return None
+    async with client.pipeline(transaction=False) as pipe:
+        if snapshot is not None:
+            pipe.set(snapshot[0], snapshot[1], px=snapshot[2])
+        for channel, data in messages:
+            pipe.publish(channel, data)
+        results = await pipe.execute()
+    return [int(r) for r in results[1 if snapshot is not None else 0 :]]
 
 
 class RedisFeed:
@@ -77,7 +222,7 @@ class RedisFeed:
         outcome = "accepted" if self.view.apply(state) else "outdated"
         self.metrics.snapshots.labels(outcome=outcome, reason="").inc()
 
-    async def resync(self, client: aioredis.Redis) -> int:
+    async def resync(self, client: RedisClient) -> int:
         """Read every snapshot key of the pool (SCAN + MGET in batches)."""
         n = 0
         batch: list[bytes] = []
@@ -90,7 +235,7 @@ class RedisFeed:
             n += await self._load(client, batch)
         return n
 
-    async def _load(self, client: aioredis.Redis, keys: list[bytes]) -> int:
+    async def _load(self, client: RedisClient, keys: list[bytes]) -> int:
         values = await client.mget(keys)
         for i, v in enumerate(values):
             if isinstance(v, bytes):
@@ -104,7 +249,8 @@ class RedisFeed:
         first = True
         while True:
             client = redis_client(self.settings)
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            subscriber = redis_pubsub_client(self.settings)
+            pubsub = subscriber.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.settings.channel)
                 # Subscribe first, then load: nothing published in between is lost.
@@ -128,11 +274,15 @@ class RedisFeed:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
                 with contextlib.suppress(Exception):
+                    await subscriber.aclose()
+                with contextlib.suppress(Exception):
                     await client.aclose()
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            # Capped at 1 s (a retry a second costs Redis nothing): after a Sentinel failover or a
+            # Cluster master's replacement the view is fed again about a second after the new master.
+            backoff = min(backoff * 2, 1.0)
 
-    async def _listen(self, client: aioredis.Redis, pubsub: aioredis.client.PubSub) -> None:
+    async def _listen(self, client: RedisClient, pubsub: aioredis.client.PubSub) -> None:
         loop = asyncio.get_running_loop()
         next_resync = loop.time() + self.settings.resync_interval_s
         while True:

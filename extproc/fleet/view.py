@@ -19,12 +19,29 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Protocol, TypedDict
 
-from extproc.fleet.accounting import InFlight
+from extproc.fleet.accounting import InFlight, RemoteInFlight
 from extproc.fleet.pool import Pool, RoutingMode, Upstream
 from extproc.fleet.snapshots import InstanceState
 from extproc.settings import FORGET_AFTER_S, STALE_READY_GRACE_TTLS
+
+
+@dataclass(slots=True)
+class KvHeld:
+    """What one engine holds by its own KV-cache events (fleet/kv_index.py): prefix-index block hashes.
+    `complete`: every block it holds is known (events followed since its start or its last cache
+    reset). False after a lost event batch or when the subscription began mid-stream: blocks stored
+    before are missing, so `blocks` is only a lower bound."""
+
+    blocks: set[bytes]
+    complete: bool = True
+
+
+class KvBlocks(Protocol):
+    """The precise prefix index (fleet/kv_index.py KvIndex): per instance, what the engine holds."""
+
+    def blocks(self, upstream_id: str) -> KvHeld | None: ...
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +54,7 @@ class Load:
     published_at: float  # oldest snapshot behind this figure (unix seconds)
     instances: int
     own_at_snapshot: int  # this process's in-flight requests there when the latest snapshot arrived
+    # (with replica sync: the fleet-wide count, this process's plus the other replicas' reports)
     kv_blocks_total: int = 0  # summed over the instances; 0 when the engines do not say
     kv_blocks_free: int = 0
     block_size: int = 0  # tokens per KV block (the largest among the instances)
@@ -312,17 +330,45 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
 
 
 class SchedulingState:
-    """What scheduling plugins read: own in-flight counts, the engines' last word, and what was sent
-    since. Works without a fleet view (static pool): load() is then None everywhere."""
+    """What scheduling plugins read: in-flight counts, the engines' last word, and what was sent
+    since. Works without a fleet view (static pool): load() is then None everywhere.
 
-    __slots__ = ("inflight", "view")
+    With replica sync (`share()`), counts are fleet-wide: this process's own plus what the other
+    replicas last reported (server/sync.py), so N replicas do not each see an idle upstream."""
+
+    __slots__ = ("inflight", "kv", "remote", "view")
 
     def __init__(self, inflight: InFlight, view: FleetView | None) -> None:
         self.inflight = inflight
         self.view = view
+        self.remote: RemoteInFlight | None = None
+        self.kv: KvBlocks | None = None  # the precise prefix index from engines' KV events, if fed
+
+    def kv_blocks(self, upstream_id: str) -> KvHeld | None:
+        """The index block hashes the engine holds, from its KV events: None unless that set is synced
+        and fresh, and, for a whole cluster, unless the cluster is one instance (Envoy picks within)."""
+        kv = self.kv
+        if kv is None:
+            return None
+        if "/" not in upstream_id:
+            load = self.load(upstream_id)
+            if load is None or load.instances != 1:
+                return None
+        return kv.blocks(upstream_id)
+
+    def share(self, remote: RemoteInFlight) -> None:
+        """Count the other replicas' in-flight requests too, in count() and pending(); the view then
+        samples the fleet-wide count as each snapshot arrives (own_at_snapshot): the engine's figures
+        already include what any replica sent before, only the growth since is pending."""
+        self.remote = remote
+        if self.view is not None:
+            self.view.own_count = self.count
 
     def count(self, upstream_id: str) -> int:
-        return self.inflight.count(upstream_id)
+        remote = self.remote
+        if remote is None:
+            return self.inflight.count(upstream_id)
+        return self.inflight.count(upstream_id) + remote.count(upstream_id)
 
     def load(self, upstream_id: str) -> Load | None:
         return self.view.load(upstream_id) if self.view is not None else None
@@ -331,10 +377,11 @@ class SchedulingState:
         return self.view.clock() if self.view is not None else time.time()
 
     def pending(self, upstream_id: str) -> int:
-        """Requests the engines' figures do not include yet: how far this process's in-flight count
-        there has grown since the snapshot arrived (sent since, minus finished since), so a burst
-        between two snapshots spreads out. With no snapshot: everything this process has there."""
-        own = self.inflight.count(upstream_id)
+        """Requests the engines' figures do not include yet: how far the in-flight count there (this
+        process's, plus the other replicas' with sync) has grown since the snapshot arrived (sent
+        since, minus finished since), so a burst between two snapshots spreads out. With no
+        snapshot: everything in flight there."""
+        own = self.count(upstream_id)
         load = self.load(upstream_id)
         if load is None:
             return own

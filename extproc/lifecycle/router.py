@@ -16,7 +16,9 @@ from typing import Any
 
 from extproc.config import ServiceConfig
 from extproc.fleet import FleetView, InFlight, Lease, SchedulingState, Upstream
+from extproc.lifecycle.admission import NO_ROUTE, Admission, Backlog, RouteAdmission, priority_class
 from extproc.lifecycle.bodies import BodyParser
+from extproc.lifecycle.endpoints import explained, in_subset, ranked_fallbacks
 from extproc.openai import InferenceRequest, RequestError, RequestHead, bodyless_request, parse_head
 from extproc.openai.errors import (
     bad_request,
@@ -27,6 +29,8 @@ from extproc.openai.errors import (
 )
 from extproc.openai.parse import MODEL_APIS, parse_request
 from extproc.scheduling import Profile, profile_from_config
+from extproc.scheduling.explain import DecisionLog, Explanation, new_explanation
+from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.settings import FALLBACK_PROFILE
 from extproc.telemetry import Metrics
 from extproc.tokenization import ChatTemplateError, PromptTooLong, TokenizedPrompt, TokenizerRegistry
@@ -40,12 +44,27 @@ class Decision:
     upstream: Upstream
     lease: Lease
     profile: Profile
+    explanation: Explanation | None = None
+    """Why it went there: filled only when asked (explain=True, or /debug/decisions keeping some)."""
+    fallbacks: tuple[Upstream, ...] = ()
+    """Endpoint mode with `fallbacks: N`: the next-best endpoints, listed after the pick (endpoints.py)."""
 
 
 class RequestLifecycle:
     """Turns one request (headers, then maybe a body) into a Decision or a RequestError."""
 
-    __slots__ = ("_warned", "bodies", "config", "fallback", "inflight", "metrics", "state", "view")
+    __slots__ = (
+        "_warned",
+        "admission",
+        "bodies",
+        "config",
+        "decisions",
+        "fallback",
+        "inflight",
+        "metrics",
+        "state",
+        "view",
+    )
 
     def __init__(self, config: ServiceConfig, metrics: Metrics, view: FleetView | None = None) -> None:
         self._warned: set[str] = set()
@@ -58,6 +77,11 @@ class RequestLifecycle:
         self.state = SchedulingState(self.inflight, view)
         self.fallback = profile_from_config("fallback", FALLBACK_PROFILE)
         self.bodies = BodyParser(config.bodies, config.max_body_bytes)
+        self.admission = Admission(
+            config.admission, self._admission_candidates, self.state, metrics, backlog=self._backlog()
+        )
+        keep = config.explain.keep_last
+        self.decisions = DecisionLog(keep) if keep > 0 else None  # /debug/decisions
 
     def close(self) -> None:
         """Stop the body parser processes (the service calls this when it stops)."""
@@ -75,7 +99,13 @@ class RequestLifecycle:
     # -- parse -----------------------------------------------------------------------------------
     def read_head(self, headers: dict[str, str]) -> RequestHead:
         h = self.config.headers
-        head = parse_head(headers, session_header=h.session, user_header=h.user, priority_header=h.priority)
+        head = parse_head(
+            headers,
+            session_header=h.session,
+            user_header=h.user,
+            priority_header=h.priority,
+            ttft_slo_header=h.ttft_slo,
+        )
         if head.content_length is not None and head.content_length > self.config.max_body_bytes:
             raise body_too_large(self.config.max_body_bytes)
         return head
@@ -101,21 +131,53 @@ class RequestLifecycle:
             return self.config.profile
         return found
 
-    def route(self, head: RequestHead, body: bytes | None, profile: Profile | None = None) -> Decision:
+    def route(
+        self,
+        head: RequestHead,
+        body: bytes | None,
+        profile: Profile | None = None,
+        *,
+        explain: bool = False,
+        subset: frozenset[str] | None = None,
+        route: RouteAdmission = NO_ROUTE,
+    ) -> Decision:
         """Parse, tokenize, admit, schedule and record one request on the calling thread (the
-        discrete-event mode, benches, tests); raises RequestError to reject it."""
+        discrete-event mode, benches, tests); raises RequestError to reject it. Nothing may wait
+        here: a request admission would queue is refused (429 `saturated`); the discrete-event mode
+        queues in virtual time with `prepare`, `admission` and `schedule` instead."""
         started = time.perf_counter()
+        request = self.prepare(head, body, route)
+        self.admission.admit_now(request)
+        return self._routed(self._schedule(request, profile, started, explain, subset), body)
+
+    def prepare(
+        self, head: RequestHead, body: bytes | None, route: RouteAdmission = NO_ROUTE
+    ) -> InferenceRequest:
+        """Parse and tokenize on the calling thread, with the route's admission settings applied."""
         request = self._parse(head, body)
+        route.apply(request)
         args = self._tokenize_args(request)
         if args is not None:
             self._tokenized(request, self._tokenize(lambda: self._registry().tokenize(**args)))
-        return self._routed(self._schedule(request, profile, started), body)
+        return request
+
+    def schedule(self, request: InferenceRequest, profile: Profile | None = None) -> Decision:
+        """Schedule and record a prepared, admitted request (the discrete-event mode's last step)."""
+        return self._schedule(request, profile, time.perf_counter())
 
     async def route_async(
-        self, head: RequestHead, body: bytes | None, profile: Profile | None = None
+        self,
+        head: RequestHead,
+        body: bytes | None,
+        profile: Profile | None = None,
+        *,
+        explain: bool = False,
+        subset: frozenset[str] | None = None,
+        route: RouteAdmission = NO_ROUTE,
     ) -> Decision:
         """As route(), for the event loop: a big body is parsed in a worker process (bounded, see
-        bodies.py) and a long prompt is encoded on a worker thread; the decision is route()'s."""
+        bodies.py), a long prompt is encoded on a worker thread, and a request admission queues
+        waits on a future (lifecycle/admission.py); the decision is route()'s."""
         started = time.perf_counter()
         if body is not None and self.bodies.is_big(body):
             self.check_size(len(body))
@@ -123,6 +185,7 @@ class RequestLifecycle:
             request = await self.bodies.parse(head, body, keep_messages=keep)
         else:
             request = self._parse(head, body)
+        route.apply(request)
         args = self._tokenize_args(request)
         if args is not None:
             try:
@@ -132,7 +195,10 @@ class RequestLifecycle:
             except PromptTooLong as exc:
                 raise prompt_too_long(exc.max_model_len, exc.tokens, exact=exc.exact) from None
             self._tokenized(request, result)
-        return self._routed(self._schedule(request, profile, started), body)
+        waited = time.perf_counter()
+        await self.admission.admit(request)
+        started += time.perf_counter() - waited  # the decision time does not count the queue
+        return self._routed(self._schedule(request, profile, started, explain, subset), body)
 
     def _routed(self, decision: Decision, body: bytes | None) -> Decision:
         """A big body's prompt is not kept while the request runs (plugins have seen it: their
@@ -176,7 +242,14 @@ class RequestLifecycle:
             m.tokenized_tokens.labels(cache="miss").inc(result.token_count - result.cached_tokens)
 
     # -- admit, schedule, record -------------------------------------------------------------------
-    def _schedule(self, request: InferenceRequest, profile: Profile | None, started: float) -> Decision:
+    def _schedule(
+        self,
+        request: InferenceRequest,
+        profile: Profile | None,
+        started: float,
+        explain: bool = False,
+        subset: frozenset[str] | None = None,
+    ) -> Decision:
         # -- admit ---------------------------------------------------------------------------------
         profile = profile or self.config.profile
         candidates = self._candidates(request.model)
@@ -186,8 +259,25 @@ class RequestLifecycle:
             self.metrics.fallbacks.labels(reason="no_fresh_snapshot").inc()
             if not candidates:
                 raise no_upstream(request.model)
+        if subset is not None:  # the gateway's subset hint (endpoint picker protocol): only inside it
+            candidates = in_subset(candidates, subset, request.model)
+        if request.model is not None:  # admitted: to an upstream with headroom (admission.py)
+            candidates = self.admission.placeable(request, candidates)
         # -- schedule ------------------------------------------------------------------------------
-        upstream = profile.schedule(request, candidates, self.state, self.metrics.observe_plugin)
+        fallbacks = self.config.fallbacks  # the next-best by total score (endpoints.py)
+        ranked: list[tuple[float, Upstream]] | None = [] if fallbacks > 0 else None
+        why = new_explanation(request.model) if explain or self.decisions is not None else None
+        try:
+            upstream = profile.schedule(
+                request, candidates, self.state, self.metrics.observe_plugin, why, ranked=ranked
+            )
+        except RequestError as err:
+            if err.code == "slo_unattainable":  # the slo-ttft filter: counted as an admission shed
+                klass = priority_class(request.priority).value
+                self.metrics.admission.labels(priority=klass, decision="shed", reason=err.code).inc()
+            raise
+        if why is not None and self.decisions is not None:
+            self.decisions.add(why)
         if upstream is None:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------
@@ -196,7 +286,11 @@ class RequestLifecycle:
             model=self.metrics.model_label(request.model), cluster=upstream.cluster, outcome="routed"
         ).inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        return Decision(request=request, upstream=upstream, lease=lease, profile=profile)
+        decision = Decision(request=request, upstream=upstream, lease=lease, profile=profile, explanation=why)
+        if ranked is not None and upstream.address is not None:
+            scored = explained(why) if why is not None else ranked
+            decision.fallbacks = ranked_fallbacks(scored, upstream, fallbacks)
+        return decision
 
     # -- finish ----------------------------------------------------------------------------------
     def finish(self, decision: Decision, trigger: str) -> None:
@@ -206,6 +300,7 @@ class RequestLifecycle:
             return
         self.metrics.releases.labels(trigger=trigger).inc()
         decision.profile.finished(decision.request, decision.upstream)
+        self.admission.dispatch(decision.request.model)  # the freed capacity goes to a waiter
 
     def reject(self, error: RequestError, decision: Decision | None = None) -> None:
         """The request is answered with `error` (before or after routing): release and count it."""
@@ -214,10 +309,26 @@ class RequestLifecycle:
             model = decision.request.model
             if decision.lease.release():
                 decision.profile.finished(decision.request, decision.upstream)
+                self.admission.dispatch(model)
         self.metrics.errors.labels(status=str(error.status)).inc()
         self.metrics.requests.labels(
             model=self.metrics.model_label(model), cluster="", outcome="rejected"
         ).inc()
+
+    def _backlog(self) -> Backlog | None:
+        """The default profile's predicted-ttft prefill queue, for admission's saturation signal."""
+        for scorer, _ in self.config.profile.scorers:
+            if isinstance(scorer, PredictedTtftScorer):
+                predictor, state = scorer, self.state
+                return lambda u: predictor.backlog(u, state)
+        return None
+
+    def _admission_candidates(self, model: str) -> tuple[Upstream, ...]:
+        """Who admission measures for `model`: the live candidates, else the static pool's."""
+        found = self._candidates(model)
+        if found is None:
+            found = self.config.pool.candidates(model) or ()
+        return found
 
     def _candidates(self, model: str | None) -> tuple[Upstream, ...] | None:
         """Who may serve `model`. Live snapshots decide when fresh ones exist for the model (an empty

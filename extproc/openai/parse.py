@@ -34,6 +34,10 @@ _API_BY_PATH: dict[str, Api] = {
 }
 
 MAX_MODEL_NAME = 256
+# Priority classes by name, as the integers the priority header also accepts (Gateway API Inference
+# Extension convention: above 0 critical, 0 standard, below 0 sheddable).
+PRIORITY_NAMES: dict[str, int] = {"critical": 1, "standard": 0, "sheddable": -1}
+MAX_TTFT_SLO_MS = 3_600_000.0
 Body = bytes | bytearray | memoryview  # what orjson reads: a worker parses from shared memory
 
 
@@ -49,6 +53,8 @@ class RequestHead:
     session: str | None
     user: str | None
     priority: int
+    ttft_slo_ms: float | None = None
+    """The client's time-to-first-token objective (the TTFT SLO header), if it sent one."""
 
 
 @dataclass(slots=True)
@@ -70,6 +76,9 @@ class InferenceRequest:
     """Chat messages as validated here: what the tokenization stage renders with the chat template."""
     prompt_tokens: int | None = None
     """Set by the tokenization stage: exact with a tokenizer, else None (plugins estimate)."""
+    ttft_slo_ms: float | None = None
+    """Time-to-first-token objective (client header, else the route's): the `slo-ttft` filter keeps
+    candidates predicted to meet it and sheds the request (429) when none is. None: no objective."""
 
     def release_prompt(self) -> None:
         """Drop the prompt (text, messages, token ids) once the request is routed, so that a routed
@@ -85,8 +94,38 @@ def api_for_path(path: str) -> Api:
     return _API_BY_PATH.get(bare, Api.OTHER)
 
 
+def parse_priority(raw: str, name: str) -> int:
+    """A priority value: an integer, or a class name (critical, standard, sheddable); else 400."""
+    text = raw.strip()
+    named = PRIORITY_NAMES.get(text.lower())
+    if named is not None:
+        return named
+    try:
+        return int(text)
+    except ValueError:
+        raise bad_request(
+            f"Header '{name}' must be an integer or one of {', '.join(PRIORITY_NAMES)}.", param=name
+        ) from None
+
+
+def parse_ttft_slo(raw: str, name: str) -> float:
+    """A TTFT objective in milliseconds: a positive number up to an hour; else 400."""
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= MAX_TTFT_SLO_MS:  # also NaN and inf
+        raise bad_request(f"Header '{name}' must be a number of milliseconds above 0.", param=name)
+    return value
+
+
 def parse_head(
-    headers: dict[str, str], *, session_header: str, user_header: str, priority_header: str
+    headers: dict[str, str],
+    *,
+    session_header: str,
+    user_header: str,
+    priority_header: str,
+    ttft_slo_header: str | None = None,
 ) -> RequestHead:
     path = headers.get(":path", "/")
     content_length: int | None = None
@@ -101,12 +140,12 @@ def parse_head(
     priority = 0
     raw_prio = headers.get(priority_header)
     if raw_prio is not None:
-        try:
-            priority = int(raw_prio.strip())
-        except ValueError:
-            raise bad_request(
-                f"Header '{priority_header}' must be an integer.", param=priority_header
-            ) from None
+        priority = parse_priority(raw_prio, priority_header)
+    slo: float | None = None
+    if ttft_slo_header is not None:
+        raw_slo = headers.get(ttft_slo_header)
+        if raw_slo is not None:
+            slo = parse_ttft_slo(raw_slo, ttft_slo_header)
     return RequestHead(
         method=headers.get(":method", "GET").upper(),
         path=path,
@@ -116,6 +155,7 @@ def parse_head(
         session=headers.get(session_header) or None,
         user=headers.get(user_header) or None,
         priority=priority,
+        ttft_slo_ms=slo,
     )
 
 
@@ -229,6 +269,7 @@ def _from_doc(head: RequestHead, doc: Any, body_bytes: int) -> InferenceRequest:
         priority=head.priority,
         body_bytes=body_bytes,
         messages=messages,
+        ttft_slo_ms=head.ttft_slo_ms,
     )
 
 
@@ -244,6 +285,7 @@ def bodyless_request(head: RequestHead) -> InferenceRequest:
         user=head.user,
         priority=head.priority,
         body_bytes=0,
+        ttft_slo_ms=head.ttft_slo_ms,
     )
 
 

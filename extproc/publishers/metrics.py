@@ -56,6 +56,22 @@ class PublisherMetrics:
             "Instances with a running scrape-and-publish task.",
             registry=self.registry,
         )
+        self.kv_events = Counter(
+            "llm_extproc_publisher_kv_events",
+            "KV-cache events from engines (publishers/kv_events.py) per instance: events (received and "
+            "applied), gaps (sequence numbers skipped: mapping dropped, the set a lower bound), restarts "
+            "(the sequence went back: a new engine process), disconnects (the engine's socket dropped: "
+            "the set unknown until its next batch), bad (undecodable payloads), "
+            "redis_errors (index updates not written).",
+            ["upstream", "kind"],
+            registry=self.registry,
+        )
+        self.kv_index_blocks = Gauge(
+            "llm_extproc_publisher_kv_index_blocks",
+            "Prefix-index blocks each instance's engine holds, as mapped from its KV events.",
+            ["upstream"],
+            registry=self.registry,
+        )
         self._series: dict[str, set[tuple[str, ...]]] = {}  # upstream -> labelled series to drop
 
     def scrape(self, upstream: str, outcome: str) -> None:
@@ -73,6 +89,14 @@ class PublisherMetrics:
             self.last_publish.labels(upstream=upstream).set(at)
             self._series.setdefault(upstream, set()).add(("last",))
 
+    def kv_event(self, upstream: str, kind: str, n: int = 1) -> None:
+        self.kv_events.labels(upstream=upstream, kind=kind).inc(n)
+        self._series.setdefault(upstream, set()).add(("kv", kind))
+
+    def kv_index(self, upstream: str, blocks: int) -> None:
+        self.kv_index_blocks.labels(upstream=upstream).set(blocks)
+        self._series.setdefault(upstream, set()).add(("kv_index",))
+
     def forget(self, upstream: str) -> None:
         """Drop the series of an instance discovery no longer lists (bounded cardinality under churn)."""
         for series in self._series.pop(upstream, set()):
@@ -80,6 +104,10 @@ class PublisherMetrics:
                 self.scrapes.remove(upstream, series[1])
             elif series[0] == "rejected":
                 self.rejected_values.remove(upstream, series[1], series[2])
+            elif series[0] == "kv":
+                self.kv_events.remove(upstream, series[1])
+            elif series[0] == "kv_index":
+                self.kv_index_blocks.remove(upstream)
             else:
                 self.last_publish.remove(upstream)
 

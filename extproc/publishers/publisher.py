@@ -28,7 +28,7 @@ import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.pool import parse_endpoint
-from extproc.fleet.redis_feed import redis_client
+from extproc.fleet.redis_feed import redis_client, write_and_publish
 from extproc.fleet.snapshots import (
     MAX_BLOCK_SIZE,
     MAX_ID_LEN,
@@ -41,6 +41,7 @@ from extproc.fleet.snapshots import (
     MAX_QUEUE,
 )
 from extproc.publishers.engines import ENGINE_METRICS, EngineLoad, GpuReading, normalize, normalize_dcgm
+from extproc.publishers.kv_events import KvEventsRelay, KvEventsSpec, kv_events_spec
 from extproc.publishers.metrics import MetricsEndpoint, PublisherMetrics
 from extproc.settings import (
     DEFAULT_DISCOVERY_INTERVAL_S,
@@ -85,6 +86,9 @@ class InstanceSpec:
     # empty: all of them). "" : no GPU figures beyond what the engine itself publishes.
     dcgm_url: str = ""
     dcgm_gpus: tuple[str, ...] = ()
+    # The engine's KV-cache events (vLLM/SGLang ZMQ PUB): subscribed, mapped to the service's prefix
+    # index blocks and published to Redis (publishers/kv_events.py). None: no events.
+    kv_events: KvEventsSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.metrics_path:
@@ -142,6 +146,7 @@ class _Previous:
     """What one instance's earlier scrapes left behind: readiness history and cumulative counters."""
 
     ready_seen: bool = False
+    readiness: int | None = None  # the last published state, to log changes
     ttft: tuple[float, float] | None = None
     tpot: tuple[float, float] | None = None
     prefix: tuple[float, float] | None = None
@@ -186,6 +191,7 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
         health_path=str(raw.get("health_path", "/health")),
         dcgm_url=dcgm_url,
         dcgm_gpus=dcgm_gpus,
+        kv_events=kv_events_spec(raw.get("kv_events"), f"publisher: instance {raw['address']}"),
     )
 
 
@@ -258,6 +264,9 @@ class Publisher:
         self._stopping = False
         self._failing: set[str] = set()  # instances whose last cycle raised (log once, not per tick)
         self._redis_ok = True
+        self.kv_events: KvEventsRelay | None = None  # per-instance KV-event subscriptions, while running
+        self._discovery_ok = True
+        self._discovered = False
 
     # -- supervision -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -268,8 +277,10 @@ class Publisher:
         )
         self.metrics_port = endpoint.port if endpoint is not None else None
         client = redis_client(self.config.redis)
+        self.kv_events = KvEventsRelay(self.config.redis, client, self.metrics)
         loop = asyncio.get_running_loop()
         next_discovery = 0.0
+        self._announce(endpoint)
         # No session-wide timeout: each scrape has its own deadline (scrape_deadline_s).
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.scrape_deadline_s)
         try:
@@ -286,6 +297,8 @@ class Publisher:
                 await self._stop_tasks()
         finally:
             await self._stop_tasks()
+            if self.kv_events is not None:
+                await self.kv_events.stop()
             await client.aclose()
             if endpoint is not None:
                 endpoint.close()
@@ -294,11 +307,63 @@ class Publisher:
         """Replace `instances` from Envoy; on any failure keep the last known set."""
         try:
             async with asyncio.timeout(DISCOVERY_TIMEOUT_S):
-                self.instances = await discover_from_envoy(session, admin)
+                found = await discover_from_envoy(session, admin)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("envoy discovery failed (keeping %d instances): %s", len(self.instances), exc)
+            log.warning(
+                "envoy discovery from %s failed (keeping %d instances; retrying every %g s): %s",
+                admin,
+                len(self.instances),
+                self.config.discovery_interval_s,
+                str(exc) or type(exc).__name__,
+                extra={"envoy_admin": admin},
+            )
+            self._discovery_ok = False
+            return
+        if not self._discovery_ok:
+            log.info("envoy discovery from %s works again", admin)
+        self._discovery_ok = True
+        before = {s.upstream_id for s in self.instances}
+        after = {s.upstream_id for s in found}
+        self.instances = found
+        if not found and (before or not self._discovered):
+            log.warning(
+                "envoy discovery: no cluster at %s carries `llm-extproc` filter metadata (engine, models): "
+                "nothing to scrape; tag the GPU clusters in envoy.yaml",
+                admin,
+            )
+        elif after != before:
+            added = [s for s in found if s.upstream_id not in before]
+            log.info(
+                "envoy discovery: %d instances%s%s",
+                len(found),
+                f"; added {_describe(added)}" if added else "",
+                f"; removed {', '.join(sorted(before - after))}" if before - after else "",
+                extra={"instances": sorted(after)},
+            )
+        self._discovered = True
+
+    def _announce(self, endpoint: MetricsEndpoint | None) -> None:
+        """What this publisher will do, logged once at start (it is otherwise silent while all is well)."""
+        cfg = self.config
+        source = (
+            f"instances from Envoy admin {cfg.envoy_admin} (every {cfg.discovery_interval_s:g} s)"
+            if cfg.envoy_admin
+            else f"{len(self.instances)} configured instances: {_describe(self.instances)}"
+        )
+        log.info(
+            "publishing to %s (keys %s:snap:*) every %g s, scrape deadline %g s, ttl %g s; %s; "
+            "own metrics %s",
+            cfg.redis.url.split("@")[-1],
+            cfg.redis.prefix,
+            cfg.interval_s,
+            cfg.scrape_deadline_s,
+            cfg.ttl_ms / 1000,
+            source,
+            f"on port {endpoint.port}" if endpoint is not None else "off",
+            extra={"pool": cfg.redis.pool, "interval_s": cfg.interval_s},
+        )
 
     def _reconcile(self, session: aiohttp.ClientSession, client: Any) -> None:
         """One task per listed instance: start the new, stop the gone, restart any that ended."""
@@ -318,6 +383,8 @@ class Publisher:
                     self._instance_loop(uid, session, client), name=f"publish {uid}"
                 )
         self.metrics.instances.set(len(self._tasks))
+        if self.kv_events is not None:
+            self.kv_events.reconcile((uid, s.address, s.kv_events) for uid, s in self._specs.items())
 
     def _retire(self, task: asyncio.Task[None]) -> None:
         task.cancel()
@@ -382,6 +449,7 @@ class Publisher:
                 self._prev.setdefault(uid, _Previous()),
                 detail=result.detail,
             )
+            self._log_change(spec, snap)
             outcome = result.outcome
             if outcome == "ok" and snap.readiness_reason == "no_load_signal":
                 outcome = "no_load_signal"
@@ -397,6 +465,32 @@ class Publisher:
             return None
         await self.publish(client, snap, started)
         return snap
+
+    def _log_change(self, spec: InstanceSpec, snap: spb.UpstreamSnapshot) -> None:
+        """One line per readiness change of an instance (first state included), with the reason."""
+        prev = self._prev.setdefault(spec.upstream_id, _Previous())
+        if prev.readiness == snap.readiness:
+            return
+        before = "NEW" if prev.readiness is None else spb.Readiness.Name(prev.readiness)
+        state = spb.Readiness.Name(snap.readiness)
+        prev.readiness = snap.readiness
+        reason = f" ({snap.readiness_reason})" if snap.readiness_reason else ""
+        log.log(
+            logging.INFO if snap.readiness == spb.READY else logging.WARNING,
+            "%s (%s at %s): %s -> %s%s",
+            spec.upstream_id,
+            spec.engine,
+            spec.address,
+            before,
+            state,
+            reason,
+            extra={
+                "upstream": spec.upstream_id,
+                "state": state,
+                "previous": before,
+                "reason": reason.strip(" ()"),
+            },
+        )
 
     async def scrape(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> ScrapeResult:
         """GET /health then /metrics, both within one deadline; parsing happens after it. A DCGM
@@ -526,10 +620,8 @@ class Publisher:
         data = snap.SerializeToString()
         try:
             async with asyncio.timeout(PUBLISH_WRITE_TIMEOUT_S):
-                async with client.pipeline(transaction=False) as pipe:
-                    pipe.set(self.config.redis.key(snap.upstream_id), data, px=snap.ttl_ms)
-                    pipe.publish(self.config.redis.channel, data)
-                    await pipe.execute()
+                key = self.config.redis.key(snap.upstream_id)
+                await write_and_publish(client, [(self.config.redis.channel, data)], (key, data, snap.ttl_ms))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # Redis down or slow: keep scraping; the next tick retries
@@ -545,6 +637,16 @@ class Publisher:
         lag = loop.time() - started if started is not None else 0.0
         self.metrics.published(snap.upstream_id, True, lag, now)
         return True
+
+
+def _describe(specs: list[InstanceSpec]) -> str:
+    """`gpu-a/10.0.0.1:8000 (vllm: llama)`, comma separated, for log lines."""
+    return (
+        ", ".join(
+            f"{s.upstream_id} ({s.engine}{': ' + ','.join(s.models) if s.models else ''})" for s in specs
+        )
+        or "none"
+    )
 
 
 def _checked(name: str, value: float | None, high: float, rejected: list[tuple[str, str]]) -> float | None:
@@ -697,6 +799,7 @@ async def discover_from_envoy(session: aiohttp.ClientSession, admin: str) -> lis
                                     "health_path",
                                     "dcgm_url",
                                     "dcgm_gpus",
+                                    "kv_events",
                                 )
                                 if k in meta
                             },

@@ -6,6 +6,7 @@ from extproc.scheduling import lora as _lora  # noqa: F401
 from extproc.scheduling import plugins as _plugins  # noqa: F401  (registers the built-ins)
 from extproc.scheduling import predicted_ttft as _predicted_ttft  # noqa: F401
 from extproc.scheduling import prefix as _prefix  # noqa: F401
+from extproc.scheduling import slo as _slo  # noqa: F401  (after predicted_ttft)
 from extproc.scheduling.framework import (
     FILTERS,
     PICKERS,
@@ -18,6 +19,7 @@ from extproc.scheduling.framework import (
     PluginTimer,
     Profile,
     Scorer,
+    SharedPlugin,
     build_filter,
     build_picker,
     build_scorer,
@@ -39,6 +41,7 @@ __all__ = [
     "PluginTimer",
     "Profile",
     "Scorer",
+    "SharedPlugin",
     "build_filter",
     "build_picker",
     "build_scorer",

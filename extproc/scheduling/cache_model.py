@@ -22,7 +22,7 @@ in the tests.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -58,6 +58,18 @@ class CacheModel:
         pinned, evictable = self._pinned, self._evictable
         for h in hashes:
             if h not in pinned and h not in evictable:
+                break
+            n += 1
+        return n
+
+    def matched_with(self, hashes: Sequence[bytes], held: Callable[[bytes], bool]) -> int:
+        """Leading blocks of `hashes` the engine holds by its own word (`held`: the KV-event index,
+        extproc.fleet.kv_index) or that requests placed here pin (their blocks may not be computed,
+        or reported, yet); the model's evictable blocks are not consulted."""
+        n = 0
+        pinned = self._pinned
+        for h in hashes:
+            if h not in pinned and not held(h):
                 break
             n += 1
         return n
@@ -106,6 +118,11 @@ class CacheModel:
         self._pinned.clear()
         self._evictable.clear()
         self._anonymous_pinned = 0
+
+    def held(self) -> list[bytes]:
+        """Prompt block hashes held, least recently used first, pinned ones last (output blocks,
+        which have no hash, left out): what a replica hands a late-starting one."""
+        return [h for h in self._evictable if len(h) != 9] + list(self._pinned)
 
     def _evict(self) -> None:
         over = self.used_blocks - self.capacity_blocks

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from extproc.fleet import Load, Upstream
+from extproc.fleet.view import KvHeld
 from extproc.openai import InferenceRequest
+from extproc.scheduling.explain import Explanation
 from extproc.settings import ConfigError, number
 
 
@@ -32,6 +34,12 @@ class FleetState(Protocol):
 
     def pending(self, upstream_id: str) -> int:
         """Requests sent there that the last snapshot does not include yet."""
+        ...
+
+    def kv_blocks(self, upstream_id: str) -> KvHeld | None:
+        """The prefix-index block hashes the engine holds by its own KV events (exact when
+        `complete`, a lower bound otherwise), or None when there is no fresh set (no events, out of
+        sync, the engine's socket gone): plugins fall back to their own model."""
         ...
 
     def now(self) -> float:
@@ -70,6 +78,48 @@ class FinishHook(Protocol):
     """A plugin that learns when a routed request ends (response done, or the stream closed)."""
 
     def on_finish(self, request: InferenceRequest, upstream: Upstream) -> None: ...
+
+
+@runtime_checkable
+class ProfileBound(Protocol):
+    """A plugin that uses another plugin of its profile (e.g. `slo-ttft` reads `predicted-ttft`'s
+    predictions); told its profile once, when the profile is built."""
+
+    def bind_profile(self, profile: Profile) -> None: ...
+
+
+@runtime_checkable
+class SharedPlugin(Protocol):
+    """A plugin whose learned state replicas share (server/sync.py carries it through Redis), so N
+    replicas behind one Envoy route as one: each publishes its own decisions, applies the others'.
+
+    Updates are small msgpack-able records (lists of str / int / float / bytes); a plugin records
+    them only once `take_updates` has been called (a consumer exists), and bounds what it holds."""
+
+    def take_updates(self) -> list[Any]:
+        """This process's own picks / finishes since the last call (and starts recording them)."""
+        ...
+
+    def apply_updates(self, origin: str, updates: list[Any]) -> None:
+        """Apply another replica's records, in the order it took them."""
+        ...
+
+    def forget_origin(self, origin: str) -> None:
+        """That replica vanished, or some of its records were lost: release what it placed (holds
+        that would otherwise never end), keep what was learnt about the upstreams' caches."""
+        ...
+
+    def dump(self) -> Any:
+        """A compact, msgpack-able copy of what was learnt, for a replica that starts late."""
+        ...
+
+    def load(self, data: Any) -> None:
+        """Merge another replica's dump (a late start or a reconnect)."""
+        ...
+
+    def index_sizes(self) -> dict[str, int]:
+        """Entries held per upstream id (sampled into a gauge)."""
+        ...
 
 
 # Told (plugin kind, plugin name, seconds) after each plugin call: the per-plugin time histogram.
@@ -161,17 +211,25 @@ class Profile:
     picker: Picker
     pick_hooks: tuple[PickHook, ...] = field(init=False, default=())
     finish_hooks: tuple[FinishHook, ...] = field(init=False, default=())
+    # Plugins replicas share, by a key stable across replicas with the same config ("<i>:<name>").
+    shared: tuple[tuple[str, SharedPlugin], ...] = field(init=False, default=())
     _labels: tuple[tuple[str, ...], tuple[str, ...], str] = field(init=False, default=((), (), ""))
 
     def __post_init__(self) -> None:
         plugins = [*self.filters, *(s for s, _ in self.scorers), self.picker]
         self.pick_hooks = tuple(p for p in plugins if isinstance(p, PickHook))
         self.finish_hooks = tuple(p for p in plugins if isinstance(p, FinishHook))
+        self.shared = tuple(
+            (f"{i}:{plugin_name(p)}", p) for i, p in enumerate(plugins) if isinstance(p, SharedPlugin)
+        )
         self._labels = (
             tuple(plugin_name(f) for f in self.filters),
             tuple(plugin_name(s) for s, _ in self.scorers),
             plugin_name(self.picker),
         )
+        for p in plugins:
+            if isinstance(p, ProfileBound):
+                p.bind_profile(self)
 
     def schedule(
         self,
@@ -179,18 +237,29 @@ class Profile:
         candidates: Sequence[Upstream],
         state: FleetState,
         timer: PluginTimer | None = None,
+        explain: Explanation | None = None,
+        ranked: list[tuple[float, Upstream]] | None = None,
     ) -> Upstream | None:
-        """Pick one upstream, or None when the filters leave nobody."""
+        """Pick one upstream, or None when the filters leave nobody. With `explain`, what every plugin
+        returned is recorded in it as well (extproc.scheduling.explain; the decision is the same). With
+        `ranked`, the scored candidates are appended to it as (total, upstream):
+        the endpoint picker's fallbacks (lifecycle/endpoints.py)."""
         filter_names, scorer_names, picker_name = self._labels
+        if explain is not None:  # what each plugin said, kept as given (views built when read)
+            explain.begin(self.name, filter_names, self._weights(scorer_names), picker_name, candidates)
         clock = time.perf_counter
         for f, fname in zip(self.filters, filter_names, strict=True):
             t0 = clock()
             candidates = f.filter(request, candidates, state)
             if timer is not None:
                 timer("filter", fname, clock() - t0)
+            if explain is not None:
+                explain.kept.append(tuple(candidates))
         if not candidates:
             return None
         if len(candidates) == 1:
+            if explain is not None:
+                explain.picked = candidates[0]
             self._picked(request, candidates[0], state)
             return candidates[0]
         totals = [0.0] * len(candidates)
@@ -205,12 +274,23 @@ class Profile:
                 )
             for i, s in enumerate(scores):
                 totals[i] += weight * _clamp(s)
+            if explain is not None:
+                explain.raw.append(tuple(scores))
+        if ranked is not None:
+            ranked.extend(zip(totals, candidates, strict=True))
         t0 = clock()
         chosen = self.picker.pick(request, candidates, totals)
         if timer is not None:
             timer("picker", picker_name, clock() - t0)
+        if explain is not None:
+            explain.scored_ids = tuple(u.id for u in candidates)
+            explain.totals = totals
+            explain.picked = chosen
         self._picked(request, chosen, state)
         return chosen
+
+    def _weights(self, scorer_names: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
+        return tuple((n, w) for n, (_, w) in zip(scorer_names, self.scorers, strict=True))
 
     def _picked(self, request: InferenceRequest, chosen: Upstream, state: FleetState) -> None:
         for hook in self.pick_hooks:

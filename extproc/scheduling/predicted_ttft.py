@@ -21,7 +21,8 @@ engines, and a new prefix is placed as sglang-router's smallest-tree rule places
 
 - `uncached(u)` comes from a model of u's cache (`CacheModel`) bounded by u's real KV capacity from its
   snapshots, LRU like the engine's, with running requests' blocks pinned; reset when u changes
-  readiness (a restart).
+  readiness (a restart). Where u's engine publishes KV-cache events (fleet/kv_index.py) and the prompt
+  was tokenized, the engine's exact set replaces the model's guess (united with pinned blocks).
 - `wait(u)` is a virtual prefill queue: each routed request adds its uncached prefill time; the queue
   drains in real time at `rate(u)`. Snapshots correct it: an engine that reports no waiting request
   cannot have more queued than what was sent after the snapshot; one reporting W waiting has at least
@@ -38,12 +39,14 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from extproc.fleet import Load, Upstream
 from extproc.openai import InferenceRequest
 from extproc.scheduling.cache_model import CacheModel, Placement
 from extproc.scheduling.framework import SCORERS, FleetState
 from extproc.scheduling.prefix import prefix_hashes
+from extproc.scheduling.sharing import RESET, Outbox, pack_hashes, unpack_hashes
 from extproc.tokenization import block_hashes, estimate_tokens
 
 BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
@@ -99,7 +102,12 @@ class PredictedTtftScorer:
     eps_s: float = 0.005
     _models: dict[str, _UpstreamModel] = field(init=False, default_factory=dict)
     _last: _Prediction = field(init=False, default_factory=_Prediction)
-    _placed: dict[int, tuple[InferenceRequest, str, Placement]] = field(init=False, default_factory=dict)
+    _placed: dict[int, tuple[InferenceRequest, str, Placement, int]] = field(init=False, default_factory=dict)
+    # Sharing between replicas (framework.SharedPlugin): own picks and finishes for the others, and
+    # the others' placements here, by replica and that replica's serial, until their finish arrives.
+    _outbox: Outbox = field(init=False, default_factory=Outbox)
+    _serial: int = field(init=False, default=0)
+    _remote: dict[str, dict[int, tuple[str, Placement]]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "block_tokens", "max_blocks", "default_kv_tokens"):
@@ -150,6 +158,12 @@ class PredictedTtftScorer:
                 model.cache.resize(max(1, load.kv_blocks_total * load.block_size // self.block_tokens))
         return model
 
+    def backlog(self, upstream: Upstream, state: FleetState) -> tuple[float, float]:
+        """(seconds of prefill queued at `upstream`, mean prefill seconds of a request sent there):
+        the saturation signal admission reads (lifecycle/admission.py), in the engine's units."""
+        model = self._model(upstream.id, state.load(upstream.id))
+        return self._wait(model, state.load(upstream.id), state.now()), model.mean_prefill_s
+
     def _wait(self, model: _UpstreamModel, load: Load | None, now: float) -> float:
         """Seconds of prefill queued ahead, with the engine's last word applied."""
         sent = model.sent
@@ -176,6 +190,23 @@ class PredictedTtftScorer:
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[float]:
+        predicted = self._evaluate(request, candidates, state)[1]
+        best = min(predicted)
+        eps = self.eps_s
+        return [(best + eps) / (p + eps) for p in predicted]
+
+    def predict_ttft(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> list[float]:
+        """This request's own predicted time to first token on each candidate, in seconds: the
+        queue ahead, its uncached prefill, the decode load and the wait for KV room, without the
+        placement costs the score adds for other requests (what the `slo-ttft` filter compares)."""
+        return self._evaluate(request, candidates, state)[0]
+
+    def _evaluate(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> tuple[list[float], list[float]]:
+        """(own TTFT, TTFT plus placement costs) per candidate, in seconds."""
         pred = self._predict(request)
         now = state.now()
         bt = self.block_tokens
@@ -187,8 +218,9 @@ class PredictedTtftScorer:
             model = self._model(u.id, load)
             models.append(model)
             loads.append(load)
-            matched.append(model.cache.matched(pred.hashes))
+            matched.append(self._matched(request, pred.hashes, model, u.id, state))
         predicted: list[float] = []
+        own: list[float] = []
         pred.uncached = {}
         new_output = math.ceil(self._output_tokens(request) / bt)
         best_matched = max(matched)
@@ -205,6 +237,7 @@ class PredictedTtftScorer:
             new_blocks = len(pred.hashes) - m + new_output
             if new_blocks > cache.capacity_blocks - cache.pinned_blocks:
                 ttft += self.room_penalty_s
+            own.append(ttft)
             over = max(0, cache.used_blocks + new_blocks - cache.capacity_blocks)
             evicted = min(over, cache.used_blocks - cache.pinned_blocks)
             ttft += self.evict_weight * evicted * bt / rate
@@ -222,9 +255,7 @@ class PredictedTtftScorer:
             elif best_matched == 0 and self.footprint_weight:
                 ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
             predicted.append(ttft)
-        best = min(predicted)
-        eps = self.eps_s
-        return [(best + eps) / (p + eps) for p in predicted]
+        return own, predicted
 
     def on_pick(self, request: InferenceRequest, upstream: Upstream, state: FleetState) -> None:
         pred = self._predict(request)
@@ -232,7 +263,7 @@ class PredictedTtftScorer:
         model = self._model(upstream.id, state.load(upstream.id))
         uncached = pred.uncached.get(upstream.id)
         if uncached is None:  # picked without scoring (a single candidate)
-            cached = model.cache.matched(pred.hashes) * self.block_tokens
+            cached = self._matched(request, pred.hashes, model, upstream.id, state) * self.block_tokens
             uncached = pred.tokens - min(cached, pred.tokens - 1)
         prefill_s = uncached / (self.prefill_tokens_per_s * upstream.weight)
         model.busy_until = max(now, model.busy_until) + prefill_s
@@ -240,10 +271,29 @@ class PredictedTtftScorer:
         model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1
         output_blocks = math.ceil(self._output_tokens(request) / self.block_tokens)
         placement = model.cache.place(pred.hashes, output_blocks)
+        self._serial += 1
+        if self._outbox.active:
+            blob = pack_hashes(pred.hashes)
+            self._outbox.add(["p", self._serial, upstream.id, blob, output_blocks, prefill_s, now])
         placed = self._placed
-        placed[id(request)] = (request, upstream.id, placement)
+        placed[id(request)] = (request, upstream.id, placement, self._serial)
         if len(placed) > MAX_TRACKED:  # finishes that never came (should not happen): drop the oldest
             del placed[next(iter(placed))]
+
+    @staticmethod
+    def _matched(
+        request: InferenceRequest, hashes: list[bytes], model: _UpstreamModel, uid: str, state: FleetState
+    ) -> int:
+        """Leading blocks cached there: by the engine's own KV events when the state has a fresh set
+        and the prompt was tokenized (token-id hashes are what the publisher maps engine blocks to),
+        united with blocks this router's placements pin (not computed or not reported yet);
+        otherwise from the cache model learnt from decisions."""
+        held = state.kv_blocks(uid) if request.prompt_token_ids else None
+        if held is None:
+            return model.cache.matched(hashes)
+        n = model.cache.matched_with(hashes, held.blocks.__contains__)
+        # An incomplete set (events lost, or followed from mid-stream) misses what was stored before.
+        return n if held.complete else max(n, model.cache.matched(hashes))
 
     @staticmethod
     def _running(u: Upstream, load: Load | None, state: FleetState) -> int:
@@ -265,3 +315,84 @@ class PredictedTtftScorer:
         model = self._models.get(placed[1])
         if model is not None:
             model.cache.release(placed[2])
+        if self._outbox.active:
+            self._outbox.add(["f", placed[3]])
+
+    # -- shared between replicas (framework.SharedPlugin; server/sync.py) ---------------------------
+    def take_updates(self) -> list[Any]:
+        return self._outbox.take()
+
+    def apply_updates(self, origin: str, updates: list[Any]) -> None:
+        """Another replica's picks place blocks in the cache models and add their prefill to the
+        virtual queues, as this replica's own do; its finishes release them."""
+        remote = self._remote.setdefault(origin, {})
+        for record in updates:
+            if not isinstance(record, list) or not record:
+                continue
+            kind = record[0]
+            if kind == "p" and len(record) == 7:
+                self._apply_pick(remote, record)
+            elif kind == "f" and len(record) == 2 and isinstance(record[1], int):
+                held = remote.pop(record[1], None)
+                if held is not None:
+                    model = self._models.get(held[0])
+                    if model is not None:
+                        model.cache.release(held[1])
+            elif kind == RESET:
+                self.forget_origin(origin)
+                remote = self._remote.setdefault(origin, {})
+
+    def _apply_pick(self, remote: dict[int, tuple[str, Placement]], record: list[Any]) -> None:
+        _, serial, uid, blob, output_blocks, prefill_s, when = record
+        hashes = unpack_hashes(blob)
+        if (
+            hashes is None
+            or not isinstance(uid, str)
+            or not isinstance(serial, int)
+            or not isinstance(output_blocks, int)
+            or not isinstance(prefill_s, int | float)
+            or not isinstance(when, int | float)
+            or not 0 <= prefill_s < 3600
+        ):
+            return
+        model = self._model(uid, None)
+        model.busy_until = max(when, model.busy_until) + prefill_s
+        model.sent.append((when, prefill_s))
+        model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1
+        placement = model.cache.place(hashes[: self.max_blocks], max(0, min(output_blocks, 1 << 16)))
+        old = remote.pop(serial, None)
+        if old is not None:  # a serial seen twice (a restarted peer reusing its id): release the old
+            held = self._models.get(old[0])
+            if held is not None:
+                held.cache.release(old[1])
+        remote[serial] = (uid, placement)
+        if len(remote) > MAX_TRACKED:
+            uid0, placement0 = remote.pop(next(iter(remote)))
+            if (m := self._models.get(uid0)) is not None:
+                m.cache.release(placement0)
+
+    def forget_origin(self, origin: str) -> None:
+        """Release every block that replica's requests pinned: the blocks stay cached (evictable)."""
+        for uid, placement in (self._remote.pop(origin, None) or {}).values():
+            model = self._models.get(uid)
+            if model is not None:
+                model.cache.release(placement)
+
+    def dump(self) -> Any:
+        return {uid: pack_hashes(m.cache.held()) for uid, m in self._models.items()}
+
+    def load(self, data: Any) -> None:
+        """Another replica's cache models, into the upstreams this one has learnt nothing about yet."""
+        if not isinstance(data, dict):
+            return
+        for uid, blob in data.items():
+            hashes = unpack_hashes(blob)
+            if not isinstance(uid, str) or not hashes:
+                continue
+            cache = self._model(uid, None).cache
+            if cache.used_blocks:
+                continue
+            cache.release(cache.place(hashes[-cache.capacity_blocks :], 0))
+
+    def index_sizes(self) -> dict[str, int]:
+        return {uid: m.cache.used_blocks for uid, m in self._models.items()}

@@ -17,10 +17,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
+from typing import Any
 
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.scheduling.framework import SCORERS, FleetState
+from extproc.scheduling.sharing import Outbox, pack_hashes, unpack_hashes
 
 
 def prefix_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
@@ -51,6 +53,7 @@ class PrefixAffinityScorer:
     overload_slack: float = 16.0
     _index: dict[str, OrderedDict[bytes, None]] = field(init=False, default_factory=dict)
     _last: tuple[InferenceRequest | None, list[bytes]] = field(init=False, default=(None, []))
+    _outbox: Outbox = field(init=False, default_factory=Outbox)  # picks for the other replicas
 
     def _hashes(self, request: InferenceRequest) -> list[bytes]:
         """Hashed once per request: score() and on_pick() of the same decision share them."""
@@ -85,12 +88,50 @@ class PrefixAffinityScorer:
         hashes = self._hashes(request)
         if not hashes:
             return
-        held = self._index.setdefault(upstream.id, OrderedDict())
+        self._remember(upstream.id, hashes)
+        if self._outbox.active:
+            self._outbox.add([upstream.id, pack_hashes(hashes)])
+
+    def _remember(self, upstream_id: str, hashes: Sequence[bytes]) -> None:
+        held = self._index.setdefault(upstream_id, OrderedDict())
         for h in hashes:
             held[h] = None
             held.move_to_end(h)
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)
+
+    # -- shared between replicas (framework.SharedPlugin; server/sync.py) ---------------------------
+    def take_updates(self) -> list[Any]:
+        return self._outbox.take()
+
+    def apply_updates(self, origin: str, updates: list[Any]) -> None:
+        """Another replica's picks: their prompts' blocks now sit at those upstreams too."""
+        for record in updates:
+            if isinstance(record, list) and len(record) == 2 and isinstance(record[0], str):
+                hashes = unpack_hashes(record[1])
+                if hashes:
+                    self._remember(record[0], hashes[: self.max_blocks])
+
+    def forget_origin(self, origin: str) -> None:
+        """Nothing is held per replica: what it taught about the upstreams stays true."""
+
+    def dump(self) -> Any:
+        return {uid: pack_hashes(list(held)) for uid, held in self._index.items()}
+
+    def load(self, data: Any) -> None:
+        if not isinstance(data, dict):
+            return
+        for uid, blob in data.items():
+            hashes = unpack_hashes(blob)
+            if isinstance(uid, str) and hashes:
+                # Least recent first, as dumped; merged under what this replica learnt itself.
+                held = self._index.setdefault(uid, OrderedDict())
+                mine = list(held)
+                self._remember(uid, hashes[-self.capacity_blocks :])
+                self._remember(uid, mine)
+
+    def index_sizes(self) -> dict[str, int]:
+        return {uid: len(held) for uid, held in self._index.items()}
 
 
 def _queue(u: Upstream, state: FleetState) -> float:

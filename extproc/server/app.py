@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -16,15 +17,19 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from extproc.config import ServiceConfig
-from extproc.fleet import FleetView
+from extproc.discovery import EndpointSource, PoolUpdater
+from extproc.fleet import FleetView, RemoteInFlight
+from extproc.fleet.kv_index import KvIndex, KvIndexFeed
 from extproc.fleet.redis_feed import RedisFeed
 from extproc.lifecycle import RequestLifecycle
 from extproc.server.completions import AccessLogReceiver, PendingReleases
+from extproc.server.health import HealthStates
 from extproc.server.relay import ReleaseRelay
 from extproc.server.stream import ExternalProcessor
+from extproc.server.sync import ReplicaSync
 from extproc.settings import GIL_SWITCH_INTERVAL_S
 from extproc.telemetry import Metrics, MetricsServer
-from extproc.telemetry.metrics import Probe
+from extproc.telemetry.metrics import Page, Probe
 
 log = logging.getLogger("extproc.server")
 
@@ -45,7 +50,11 @@ class RunningService:
     sweeper: asyncio.Task[None] | None = None  # releases access-log tickets that never came back
     relay: ReleaseRelay | None = None
     heartbeat: asyncio.Task[None] | None = None  # the event loop's pulse, read by /healthz
+    sync: ReplicaSync | None = None  # decisions shared with the other replicas (server/sync.py)
+    discovery: tuple[EndpointSource, ...] = ()  # endpoint sources filling the pool (extproc.discovery)
+    health_updates: asyncio.Task[None] | None = None  # gRPC health names follow the probes (health.py)
     phase: str = "serving"  # serving -> announce -> drain -> stopped
+    kv_index: KvIndexFeed | None = None  # the precise prefix index from engines' KV events
 
     async def stop(
         self, grace: float, *, announce: float = 0.0, skip_announce: asyncio.Event | None = None
@@ -122,8 +131,16 @@ class RunningService:
             self.sweeper.cancel()
         if self.heartbeat is not None:
             self.heartbeat.cancel()
+        if self.health_updates is not None:
+            self.health_updates.cancel()
+        for source in self.discovery:
+            await source.stop()
         if self.relay is not None:
             await self.relay.stop()
+        if self.sync is not None:
+            await self.sync.stop()
+        if self.kv_index is not None:
+            await self.kv_index.stop()
         if self.feed is not None:
             await self.feed.stop()
         if self.metrics_server is not None:
@@ -185,6 +202,35 @@ def _completions(
     return pending, relay, asyncio.get_running_loop().create_task(pending.sweep_forever())
 
 
+def _pages(lifecycle: RequestLifecycle) -> dict[str, Page]:
+    """Debug pages on the metrics port, each only when its setting turns it on (404 otherwise)."""
+    if lifecycle.decisions is None:
+        return {}
+    return {"/debug/decisions": lifecycle.decisions.page}
+
+
+def _sync(
+    config: ServiceConfig, lifecycle: RequestLifecycle, metrics: Metrics, replica: str | None
+) -> ReplicaSync | None:
+    """With `fleet:` Redis and `sync.enabled`: share decisions and in-flight counts with the other
+    replicas (the access-log tickets' replica id names this one)."""
+    if config.fleet is None or not config.sync.enabled:
+        return None
+    remote = RemoteInFlight(config.sync.expire_s)
+    lifecycle.state.share(remote)
+    sync = ReplicaSync(
+        replica or os.urandom(4).hex(),
+        config.profiles,
+        lifecycle.inflight,
+        remote,
+        metrics,
+        config.sync,
+        config.fleet,
+    )
+    sync.start()
+    return sync
+
+
 async def start(config: ServiceConfig) -> RunningService:
     metrics = Metrics(config.pool.models(), config.pool.cluster_names())
     view = FleetView(config.pool) if config.fleet is not None else None
@@ -206,6 +252,7 @@ async def start(config: ServiceConfig) -> RunningService:
     pending, relay, sweeper = _completions(config, lifecycle, server)
     if relay is not None:
         relay.start()
+    sync = _sync(config, lifecycle, metrics, pending.replica if pending is not None else None)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(lifecycle, pending), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -218,7 +265,9 @@ async def start(config: ServiceConfig) -> RunningService:
     await health_servicer.set(EXT_PROC_SERVICE, serving)
     probes = _Probes()
     metrics_server = (
-        MetricsServer(metrics, config.metrics_listen, probes.paths()) if config.metrics_listen else None
+        MetricsServer(metrics, config.metrics_listen, probes.paths(), _pages(lifecycle))
+        if config.metrics_listen
+        else None
     )
     log.info(
         "ext_proc listening on %s (port %d), metrics on %s, %d clusters, models: %s",
@@ -231,9 +280,41 @@ async def start(config: ServiceConfig) -> RunningService:
     running = RunningService(
         server, port, health_servicer, lifecycle, metrics, metrics_server, feed, sweeper, relay
     )
+    running.sync = sync
+    if config.fleet is not None:  # engines' KV events, where a publisher maps them (fleet/kv_index.py)
+        running.kv_index = KvIndexFeed(config.fleet, KvIndex(), metrics)
+        lifecycle.state.kv = running.kv_index.index
+        running.kv_index.start()
     probes.running = running
     running.heartbeat = asyncio.get_running_loop().create_task(probes.beat_forever())
+    running.discovery = _discovery(config, metrics)
+    states = HealthStates(
+        health_servicer,
+        probes.live,
+        probes.ready,
+        lambda: _can_pick(config, running.discovery),
+        ("", EXT_PROC_SERVICE),
+    )
+    await states.update()
+    running.health_updates = asyncio.get_running_loop().create_task(states.run_forever())
     return running
+
+
+def _discovery(config: ServiceConfig, metrics: Metrics) -> tuple[EndpointSource, ...]:
+    """Start the configured endpoint sources (none: the YAML's endpoints are the pool)."""
+    settings = config.discovery
+    if settings is None or settings.kubernetes is None:
+        return ()
+    from extproc.discovery.kubernetes import EndpointSliceWatcher  # aiohttp only when configured
+
+    watcher = EndpointSliceWatcher(settings.kubernetes, PoolUpdater(config.pool, metrics), metrics)
+    watcher.start()
+    return (watcher,)
+
+
+def _can_pick(config: ServiceConfig, sources: tuple[EndpointSource, ...]) -> bool:
+    """Every source has its first list and some endpoint (or cluster) can be picked."""
+    return all(s.synced for s in sources) and bool(config.pool.everything())
 
 
 async def serve(config: ServiceConfig) -> None:

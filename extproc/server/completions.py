@@ -18,11 +18,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
 from extproc.lifecycle import Decision, RequestLifecycle
+from extproc.server.picker import record_served
 
 log = logging.getLogger("extproc.completions")
 
@@ -81,10 +83,13 @@ class PendingReleases:
         self._pending[ticket] = _Pending(decision, self._clock())
         return ticket
 
-    def complete(self, ticket: str, trigger: str) -> str:
-        """Release the request behind `ticket`; returns the outcome (a metric label)."""
+    def complete(self, ticket: str, trigger: str, served: str | None = None) -> str:
+        """Release the request behind `ticket`; returns the outcome (a metric label). `served`: the
+        upstream address Envoy reports (endpoint mode: counted, see server/picker.py)."""
         entry = self._pending.pop(ticket, None)
         if entry is not None:
+            if served and entry.decision.upstream.address is not None:
+                record_served(self.lifecycle, entry.decision, served)
             self.lifecycle.finish(entry.decision, trigger)
             return "released"
         if not ticket:
@@ -165,8 +170,17 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     def _entries(self, message: als_pb2.StreamAccessLogsMessage) -> None:
         for entry in message.http_logs.log_entry:
             ticket = entry.request.request_headers.get(self.header, "")
-            outcome = self.pending.complete(ticket, "access_log")
+            outcome = self.pending.complete(ticket, "access_log", _upstream_address(entry))
             if outcome == "other_replica" and self.relay is not None:
                 self.relay(ticket)
                 outcome = "relayed"
             self.entries.labels(outcome=outcome).inc()
+
+
+def _upstream_address(entry: Any) -> str | None:
+    """The `ip:port` that served an access-log entry (the endpoint-picker protocol's "served")."""
+    addr = entry.common_properties.upstream_remote_address.socket_address
+    if not addr.address:
+        return None
+    host = f"[{addr.address}]" if ":" in addr.address else addr.address
+    return f"{host}:{addr.port_value}"

@@ -3,8 +3,9 @@
 Envoy opens one access-log stream per worker thread to *some* llm-extproc replica, so with several
 replicas an entry often reaches a replica that did not route the request. The ticket names the
 routing replica; the receiver batches such tickets and PUBLISHes them on that replica's channel
-(`<prefix>:done:<replica>`), which the owner applies. Nothing here is on the request path; with
-Redis down the tickets are dropped (counted) and the owner's leases expire (lease_timeout_s).
+(`<prefix>:done:<replica>`), which the owner applies. Nothing here is on the request path. With
+Redis down or failing over (or the owner not yet subscribed again) the tickets are held and retried
+for HOLD_S, then dropped (counted) and the owner's leases expire (lease_timeout_s).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import logging
 from collections import defaultdict
 
-from extproc.fleet.redis_feed import redis_client
+from extproc.fleet.redis_feed import redis_client, redis_pubsub_client, write_and_publish
 from extproc.server.completions import PendingReleases
 from extproc.settings import RedisSettings
 
@@ -24,6 +25,10 @@ FLUSH_EVERY_S = 0.02
 MAX_BATCH = 2000  # tickets per published message
 MAX_MESSAGE_BYTES = 256 * 1024
 RECONNECT_S = (0.1, 2.0)
+# Tickets that could not be delivered (Redis down, a failover, the owner not subscribed yet) are
+# retried for this long, at most MAX_HELD of them, then dropped (counted; the owner's lease expires).
+HOLD_S = 10.0
+MAX_HELD = 50_000
 
 
 class ReleaseRelay:
@@ -58,34 +63,67 @@ class ReleaseRelay:
 
     async def _send_loop(self) -> None:
         client = redis_client(self.settings)
+        held_since: float | None = None  # first failed attempt of the tickets held for a retry
+        delay = RECONNECT_S[0]
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 await self._wake.wait()
                 await asyncio.sleep(FLUSH_EVERY_S)  # batch what arrives meanwhile
                 self._wake.clear()
                 outbox, self._outbox = self._outbox, defaultdict(list)
-                sent = dropped = 0
+                batches = [
+                    (replica, tickets[i : i + MAX_BATCH])
+                    for replica, tickets in outbox.items()
+                    for i in range(0, len(tickets), MAX_BATCH)
+                ]
                 try:
-                    async with client.pipeline(transaction=False) as pipe:
-                        for replica, tickets in outbox.items():
-                            for i in range(0, len(tickets), MAX_BATCH):
-                                pipe.publish(self.channel(replica), "\n".join(tickets[i : i + MAX_BATCH]))
-                        await pipe.execute()
-                    sent = sum(map(len, outbox.values()))
-                except Exception as exc:  # Redis down: the owners' leases expire instead
-                    dropped = sum(map(len, outbox.values()))
+                    receivers = await write_and_publish(
+                        client, [(self.channel(r), "\n".join(t)) for r, t in batches]
+                    )
+                except Exception as exc:  # Redis down or failing over: hold the tickets, retry
                     log.debug("relay publish failed: %s", exc)
+                    receivers = [-1] * len(batches)
+                # Nobody listening (the owner is reconnecting after a failover; counted only where
+                # PUBLISH can tell: not on a Cluster) or Redis failed: retry for up to HOLD_S.
+                retry = [b for b, n in zip(batches, receivers or [1] * len(batches), strict=True) if n <= 0]
+                sent = sum(len(t) for _, t in batches) - sum(len(t) for _, t in retry)
                 if sent:
                     self.metrics.relayed_releases.labels(direction="sent").inc(sent)
-                if dropped:
-                    self.metrics.relayed_releases.labels(direction="dropped").inc(dropped)
+                if not retry:
+                    held_since, delay = None, RECONNECT_S[0]
+                    continue
+                now = loop.time()
+                held_since = now if held_since is None else held_since
+                if now - held_since > HOLD_S:  # the owners' leases expire instead
+                    self.metrics.relayed_releases.labels(direction="dropped").inc(
+                        sum(len(t) for _, t in retry)
+                    )
+                    held_since, delay = None, RECONNECT_S[0]
+                    continue
+                for replica, tickets in retry:
+                    self._outbox[replica][:0] = tickets
+                self._bound_outbox()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_S[1] / 2)
+                self._wake.set()
         finally:
             await client.aclose()
+
+    def _bound_outbox(self) -> None:
+        excess = sum(map(len, self._outbox.values())) - MAX_HELD
+        for tickets in self._outbox.values():
+            if excess <= 0:
+                break
+            cut = min(excess, len(tickets))
+            del tickets[:cut]  # the oldest go first
+            excess -= cut
+            self.metrics.relayed_releases.labels(direction="dropped").inc(cut)
 
     async def _receive_loop(self) -> None:
         delay = RECONNECT_S[0]
         while True:
-            client = redis_client(self.settings)
+            client = redis_pubsub_client(self.settings)  # any topology, Cluster included
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel(self.pending.replica))

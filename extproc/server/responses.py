@@ -5,6 +5,8 @@ Header values always go in `raw_value`: current Envoy ignores `value` and would 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -12,7 +14,9 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
 from extproc.fleet import Upstream
+from extproc.lifecycle.endpoints import destination
 from extproc.openai import RequestError
+from extproc.scheduling.explain import DECISION_HEADER
 from extproc.settings import HeaderNames
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
@@ -24,28 +28,42 @@ def _set(key: str, value: str) -> HeaderValueOption:
 
 
 def routing_mutation(
-    upstream: Upstream, names: HeaderNames, ticket: str | None = None, *, stream: bool = False
+    upstream: Upstream,
+    names: HeaderNames,
+    ticket: str | None = None,
+    *,
+    stream: bool = False,
+    decision: str | None = None,
+    fallbacks: Sequence[Upstream] = (),
 ) -> pb.HeaderMutation:
-    """Set the destination (plus the access-log ticket, and the streaming mark routes match on); in
-    cluster mode also remove any endpoint header a client smuggled in."""
+    """Set the destination (plus the access-log ticket, the streaming mark routes match on, and the
+    decision explanation envoy.yaml copies onto the response); in cluster mode also remove any
+    endpoint header a client smuggled in."""
     sets = [_set(names.destination_cluster, upstream.cluster)]
+    if decision is not None:
+        sets.append(_set(DECISION_HEADER, decision))
     if ticket is not None:
         sets.append(_set(names.ticket, ticket))
     if stream:
         sets.append(_set(names.stream, "1"))
     removes: list[str] = []
-    if upstream.address is not None:
-        sets.append(_set(names.destination_endpoint, upstream.address))
+    endpoints = destination(upstream, fallbacks)  # "ip:port" or "ip:port,fallback,..."
+    if endpoints is not None:
+        sets.append(_set(names.destination_endpoint, endpoints))
     else:
         removes.append(names.destination_endpoint)
     return pb.HeaderMutation(set_headers=sets, remove_headers=removes)
 
 
-def endpoint_metadata(upstream: Upstream, namespace: str, key: str) -> Struct | None:
-    if upstream.address is None:
+def endpoint_metadata(
+    upstream: Upstream, namespace: str, key: str, fallbacks: Sequence[Upstream] = ()
+) -> Struct | None:
+    """The same value as the header (the protocol forbids the two differing)."""
+    endpoints = destination(upstream, fallbacks)
+    if endpoints is None:
         return None
     md = Struct()
-    md.update({namespace: {key: upstream.address}})
+    md.update({namespace: {key: endpoints}})
     return md
 
 

@@ -25,10 +25,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from extproc.lifecycle import Decision, RequestLifecycle
+from extproc.lifecycle.admission import NO_ROUTE, RouteAdmission, route_admission
 from extproc.openai import Api, RequestError, RequestHead
 from extproc.openai.errors import internal_error
 from extproc.scheduling import Profile
-from extproc.server import responses
+from extproc.server import picker, responses
 from extproc.server.completions import PendingReleases
 from extproc.settings import PROFILE_METADATA_KEY
 
@@ -55,12 +56,15 @@ class RequestStream:
         "_body_size",
         "body_mode",
         "decision",
+        "explain",
         "head",
         "lifecycle",
         "pending",
         "phase",
         "profile",
         "response_body_mode",
+        "route",
+        "subset",
         "ticket",
     )
 
@@ -69,9 +73,11 @@ class RequestStream:
         lifecycle: RequestLifecycle,
         profile: Profile | None = None,
         pending: PendingReleases | None = None,
+        route: RouteAdmission = NO_ROUTE,
     ) -> None:
         self.lifecycle = lifecycle
         self.profile = profile
+        self.route = route  # the route's priority class / cap / TTFT objective (route metadata)
         self.pending = pending
         self.ticket: str | None = None
         self.phase = Phase.HEADERS
@@ -79,6 +85,8 @@ class RequestStream:
         self.response_body_mode: int = ProcessingMode.NONE
         self.head: RequestHead | None = None
         self.decision: Decision | None = None
+        self.subset: frozenset[str] | None = None  # the gateway's subset hint (server/picker.py)
+        self.explain = False  # this response gets the x-llm-decision header (explain: settings)
         self._body: list[bytes] = []
         self._body_size = 0
 
@@ -87,6 +95,8 @@ class RequestStream:
         if msg.HasField("protocol_config"):
             self.body_mode = msg.protocol_config.request_body_mode
             self.response_body_mode = msg.protocol_config.response_body_mode
+        if self.subset is None and self.phase is not Phase.ROUTED and msg.HasField("metadata_context"):
+            self.subset = picker.subset_hint(msg)
         try:
             if kind == "request_headers":
                 return await self._on_request_headers(msg.request_headers)
@@ -126,7 +136,9 @@ class RequestStream:
     async def _on_request_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
         if self.phase is not Phase.HEADERS:
             raise RequestError(500, "Unexpected request headers.", err_type="server_error", code="protocol")
-        self.head = self.lifecycle.read_head(_header_map(msg))
+        headers = _header_map(msg)
+        self.head = self.lifecycle.read_head(headers)
+        self.explain = self.lifecycle.config.explain.wants_header(headers)
         if self.head.api is Api.MODELS and self.head.method == "GET":
             self.phase = Phase.DONE
             return [responses.model_list(self.lifecycle.served_models(), int(time.time()))]
@@ -175,17 +187,28 @@ class RequestStream:
     async def _route(self, body: bytes | None, *, in_headers: bool) -> pb.ProcessingResponse:
         assert self.head is not None
         self._body = []
-        decision = await self.lifecycle.route_async(self.head, body, self.profile)
+        decision = await self.lifecycle.route_async(
+            self.head, body, self.profile, explain=self.explain, subset=self.subset, route=self.route
+        )
         self.decision = decision
         self.phase = Phase.ROUTED
         cfg = self.lifecycle.config
         if self.pending is not None:
             self.ticket = self.pending.register(decision)
+        why = decision.explanation.header_value() if self.explain and decision.explanation else None
         mutation = responses.routing_mutation(
-            decision.upstream, cfg.headers, self.ticket, stream=decision.request.stream
+            decision.upstream,
+            cfg.headers,
+            self.ticket,
+            stream=decision.request.stream,
+            decision=why,
+            fallbacks=decision.fallbacks,
         )
         metadata = responses.endpoint_metadata(
-            decision.upstream, cfg.endpoint_metadata_namespace, cfg.headers.destination_endpoint
+            decision.upstream,
+            cfg.endpoint_metadata_namespace,
+            cfg.headers.destination_endpoint,
+            decision.fallbacks,
         )
         if in_headers:
             return responses.request_headers(mutation, metadata=metadata)
@@ -194,6 +217,10 @@ class RequestStream:
     # -- response path -------------------------------------------------------------------------
     def _on_response(self, kind: str | None, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if kind == "response_headers":
+            if self.decision is not None and self.decision.upstream.address is not None:
+                served = picker.served_endpoint(msg, _header_map(msg.response_headers))
+                if served is not None:
+                    picker.record_served(self.lifecycle, self.decision, served)
             if msg.response_headers.end_of_stream:
                 self._release_on_response_end()
             return [responses.response_headers()]
@@ -250,7 +277,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessingResponse]:
         profile = self.lifecycle.profile(_profile_name(context))
-        stream = RequestStream(self.lifecycle, profile, self.pending)
+        route = route_admission(context.invocation_metadata() or ())
+        stream = RequestStream(self.lifecycle, profile, self.pending, route)
         streams = self.lifecycle.metrics.streams
         streams.inc()
         cancelled = True  # until the loop ends on its own: a cancellation or error skips the flag

@@ -12,11 +12,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 # A probe answers (ok, reason): /healthz and /readyz reply 200 or 503 with the reason as text.
 Probe = Callable[[], tuple[bool, str]]
+# A page answers (HTTP status, content type, body), e.g. /debug/decisions; called on the server's thread.
+Page = Callable[[], tuple[int, str, bytes]]
 
 UNKNOWN_MODEL = "unknown"
 
 # Decision latency is tens of microseconds to a few milliseconds; buckets cover both ends.
 _PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
+_QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 5.0)
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
@@ -150,6 +153,102 @@ class Metrics:
             ["cache"],
             registry=self.registry,
         )
+        # Replica sync (server/sync.py): decisions shared with the other replicas through Redis.
+        self.sync_messages = Counter(
+            "llm_extproc_sync_messages",
+            "Replica sync messages by direction (sent; received: another replica's, applied; "
+            "failed: not published, Redis unreachable; rejected: malformed or oversized; gap: a "
+            "replica's sequence skipped, what it had pinned here was released).",
+            ["direction"],
+            registry=self.registry,
+        )
+        self.sync_updates_dropped = Counter(
+            "llm_extproc_sync_updates_dropped",
+            "Decision records not shared because a message or the per-second budget was full (peers "
+            "then release what this replica pinned).",
+            registry=self.registry,
+        )
+        self.sync_apply_lag = Histogram(
+            "llm_extproc_sync_apply_lag_seconds",
+            "Time from another replica publishing a sync message to this one applying it (wall "
+            "clocks of two hosts: includes their skew).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.sync_replicas = Gauge(
+            "llm_extproc_sync_remote_replicas",
+            "Other replicas heard from within sync.expire_s.",
+            registry=self.registry,
+        )
+        self.sync_index_blocks = Gauge(
+            "llm_extproc_sync_index_blocks",
+            "Prefix-cache blocks a shared scheduling plugin holds per upstream (sampled).",
+            ["plugin", "upstream"],
+            registry=self.registry,
+        )
+        # The precise prefix index from engines' KV-cache events (fleet/kv_index.py).
+        self.kv_index_messages = Counter(
+            "llm_extproc_kv_index_messages",
+            "KV index messages from publishers by outcome: applied, old (already covered), buffered "
+            "(a sequence gap: waiting for the instance's full set), full (a full set read), rejected.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.kv_index_blocks = Gauge(
+            "llm_extproc_kv_index_blocks",
+            "Prefix-index blocks each instance's engine holds by its KV events (sampled).",
+            ["upstream"],
+            registry=self.registry,
+        )
+        self.kv_event_lag = Histogram(
+            "llm_extproc_kv_event_lag_seconds",
+            "From an engine's KV event batch (its timestamp) to the service applying it (wall clocks of "
+            "two hosts: includes their skew).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+        self.admission = Counter(
+            "llm_extproc_admission",
+            "Admission decisions by priority class, decision (admitted, queued, shed, abandoned) and "
+            "reason (admitted: free, critical, dequeued; queued/shed: saturated, queue_full, "
+            "queue_timeout, slo_unattainable; abandoned: client_gone).",
+            ["priority", "decision", "reason"],
+            registry=self.registry,
+        )
+        self.admission_queue = Gauge(
+            "llm_extproc_admission_queue_length",
+            "Requests waiting in the admission queue (all models).",
+            registry=self.registry,
+        )
+        self.admission_wait = Histogram(
+            "llm_extproc_admission_queue_wait_seconds",
+            "Time requests spent in the admission queue, by outcome (admitted, timeout, abandoned).",
+            ["outcome"],
+            buckets=_QUEUE_BUCKETS,
+            registry=self.registry,
+        )
+        # Endpoint-picker protocol (server/picker.py, lifecycle/endpoints.py) and discovery.
+        self.endpoint_served = Counter(
+            "llm_extproc_endpoint_served",
+            "Routed requests whose serving endpoint the proxy reported, by outcome (chosen: the pick; "
+            "fallback: a listed fallback after retries, the lease moved there; other: an endpoint not "
+            "listed; released: reported after the request ended).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.discovered_endpoints = Gauge(
+            "llm_extproc_discovered_endpoints",
+            "Endpoints of each pool cluster currently known from endpoint discovery.",
+            ["cluster"],
+            registry=self.registry,
+        )
+        self.discovery_events = Counter(
+            "llm_extproc_discovery_events",
+            "Endpoint-discovery events by source and kind (list, added, modified, deleted, bookmark, "
+            "relist: the watch expired (410 Gone) and the list was read again; error).",
+            ["source", "kind"],
+            registry=self.registry,
+        )
         for cluster in clusters:
             self.inflight.labels(cluster=cluster).set(0)
 
@@ -198,10 +297,17 @@ class MetricsServer:
     """/metrics, plus /healthz (liveness) and /readyz (readiness) when probes are given, on its own
     thread, off the event loop; a probe reads state the event loop keeps (no locks needed)."""
 
-    def __init__(self, metrics: Metrics, listen: str, probes: Mapping[str, Probe] | None = None) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        listen: str,
+        probes: Mapping[str, Probe] | None = None,
+        pages: Mapping[str, Page] | None = None,
+    ) -> None:
         host, _, port = listen.rpartition(":")
         self._metrics_app = make_wsgi_app(metrics.registry)
         self._probes = dict(probes or {})
+        self._pages = dict(pages or {})
         self._server: WSGIServer = make_server(
             host.strip("[]"), int(port), self._app, _ThreadingServer, handler_class=_QuietHandler
         )
@@ -209,7 +315,14 @@ class MetricsServer:
         self._thread.start()
 
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterator[bytes]:
-        probe = self._probes.get(environ.get("PATH_INFO", ""))
+        path = environ.get("PATH_INFO", "")
+        page = self._pages.get(path)
+        if page is not None:
+            return self._page(page, start_response)
+        if path.startswith("/debug/"):  # a debug page that is not enabled
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return iter([b"not enabled\n"])
+        probe = self._probes.get(path)
         if probe is None:
             return iter(self._metrics_app(environ, start_response))
         try:
@@ -218,6 +331,16 @@ class MetricsServer:
             ok, reason = False, f"probe failed: {type(exc).__name__}"
         start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
         return iter([(reason + "\n").encode()])
+
+    @staticmethod
+    def _page(page: Page, start_response: Callable[..., Any]) -> Iterator[bytes]:
+        try:
+            status, content_type, body = page()
+        except Exception as exc:  # never a traceback on the wire
+            status, content_type, body = 500, "text/plain", f"page failed: {type(exc).__name__}\n".encode()
+        reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error"}.get(status, "")
+        start_response(f"{status} {reason}".strip(), [("Content-Type", content_type)])
+        return iter([body])
 
     @property
     def port(self) -> int:

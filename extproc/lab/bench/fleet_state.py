@@ -80,10 +80,16 @@ def _head() -> Any:
     )
 
 
-def decision_latency(n: int, mode: str, decisions: int = 3000) -> dict[str, float | str]:
-    """Median and p99 of RequestLifecycle.route() (parse + schedule + record) with n fresh instances."""
+def decision_latency(
+    n: int, mode: str, decisions: int = 3000, *, explain: dict[str, Any] | None = None, asked: bool = False
+) -> dict[str, float | str]:
+    """Median and p99 of RequestLifecycle.route() (parse + schedule + record) with n fresh instances;
+    `explain` is the service's `explain:` section, `asked` a request that wants the decision header."""
     rng = random.Random(n)
-    cfg = config_from_dict(_config(n, mode))
+    raw = _config(n, mode)
+    if explain is not None:
+        raw["explain"] = explain
+    cfg = config_from_dict(raw)
     metrics = Metrics([MODEL], [f"pool-{c}" for c in range(CLUSTERS)])
     view = FleetView(cfg.pool)
     known = view.known_clusters
@@ -98,7 +104,12 @@ def decision_latency(n: int, mode: str, decisions: int = 3000) -> dict[str, floa
     times = []
     for _ in range(decisions):
         t0 = time.perf_counter()
-        d = lifecycle.route(head, body)
+        if asked:  # as the stream does: explain, then format the header
+            d = lifecycle.route(head, body, explain=True)
+            assert d.explanation is not None
+            d.explanation.header_value()
+        else:
+            d = lifecycle.route(head, body)
         times.append(time.perf_counter() - t0)
         lifecycle.finish(d, "response_end")
     times.sort()

@@ -42,12 +42,17 @@ class Target:
     url: str
 
 
-def _service_config(clusters: dict[str, list[int]], redis_url: str | None = None) -> dict[str, Any]:
-    """The default scheduling profile; with `redis_url`, live fleet state from the publisher."""
+def _service_config(
+    clusters: dict[str, list[int]], redis_url: str | None = None, profile: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The default scheduling profile (or `profile`); with `redis_url`, live fleet state from the
+    publisher."""
     cfg: dict[str, Any] = {
         "routing": "cluster",
         "pool": {"clusters": [{"name": c, "models": [MODEL]} for c in clusters]},
     }
+    if profile is not None:
+        cfg["scheduling"] = {"profile": "bench", "profiles": {"bench": profile}}
     if redis_url:
         cfg["fleet"] = {"url": redis_url, "pool": "demo"}
     return cfg
@@ -129,7 +134,14 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.0f}%"
 
 
-def _n_cluster_gateway(out_dir: Path, clusters: dict[str, list[int]], redis_url: str | None) -> LocalGateway:
+def _n_cluster_gateway(
+    out_dir: Path,
+    clusters: dict[str, list[int]],
+    redis_url: str | None,
+    profile: dict[str, Any] | None = None,
+    replicas: int = 1,
+    service_extra: dict[str, Any] | None = None,
+) -> LocalGateway:
     """envoy.yaml ships two GPU clusters (gpu-a, gpu-b); more are added by copying gpu-b's definition
     and shipped ones not in `clusters` are dropped (so is the fallback route's list, accordingly)."""
 
@@ -170,9 +182,8 @@ def _n_cluster_gateway(out_dir: Path, clusters: dict[str, list[int]], redis_url:
                 route["route"]["weighted_clusters"]["clusters"] = [{"name": c, "weight": 1} for c in clusters]
 
     shipped = {k: v for k, v in clusters.items() if k in ("gpu-a", "gpu-b")}
-    gw = LocalGateway(
-        out_dir, clusters=shipped, service=_service_config(clusters, redis_url), envoy_edit=edit
-    )
+    service = {**_service_config(clusters, redis_url, profile), **(service_extra or {})}
+    gw = LocalGateway(out_dir, clusters=shipped, service=service, envoy_edit=edit, replicas=replicas)
     return gw
 
 
@@ -407,7 +418,14 @@ async def run_live_bench(
 
 
 async def _start_target(
-    policy: str, group: EngineGroup, workdir: Path, stops: list[Any], subprocess: Any, wait_port: Any
+    policy: str,
+    group: EngineGroup,
+    workdir: Path,
+    stops: list[Any],
+    subprocess: Any,
+    wait_port: Any,
+    replicas: int = 1,
+    service_extra: dict[str, Any] | None = None,
 ) -> str | None:
     workdir.mkdir(parents=True, exist_ok=True)
     ports = group.ports
@@ -415,7 +433,7 @@ async def _start_target(
         redis, _ = local_redis(workdir / "redis.log")
         stops.append(redis.stop)
         clusters = {f"gpu-{i}": [p] for i, p in enumerate(ports)}
-        gw = _n_cluster_gateway(workdir, clusters, redis.url)
+        gw = _n_cluster_gateway(workdir, clusters, redis.url, replicas=replicas, service_extra=service_extra)
         publisher = Publisher(
             PublisherConfig(
                 redis=RedisSettings(url=redis.url, pool="demo"),
@@ -486,6 +504,8 @@ async def run_live_requests(
     *,
     time_scale: float,
     workdir: Path,
+    replicas: int = 1,
+    service_extra: dict[str, Any] | None = None,
 ) -> tuple[list[RequestRecord], float] | None:
     """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
     time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
@@ -504,7 +524,9 @@ async def run_live_requests(
     group = EngineGroup([], MODEL, profiles=profiles, time_scale=time_scale)
     stops: list[Any] = []
     try:
-        url = await _start_target(policy, group, workdir, stops, subprocess, wait_port)
+        url = await _start_target(
+            policy, group, workdir, stops, subprocess, wait_port, replicas, service_extra
+        )
         if url is None:
             return None
         real = [(a / time_scale, body, tag) for a, body, tag in requests]

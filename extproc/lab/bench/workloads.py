@@ -64,6 +64,8 @@ class Workload:
     name: str
     params: dict[str, Any]
     requests: list[WorkloadRequest] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """Per-request headers, parallel to `requests` (empty: none), e.g. from `with_priorities`."""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -406,6 +408,35 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "long-context": long_context,
     "bursty": bursty,
 }
+
+
+PRIORITY_MIX: dict[str, float] = {"critical": 0.2, "standard": 0.5, "sheddable": 0.3}
+
+
+def with_priorities(
+    workload: Workload,
+    mix: dict[str, float] | None = None,
+    *,
+    seed: int = 0,
+    priority_header: str = "x-llm-priority",
+    user_header: str = "x-user-id",
+) -> Workload:
+    """The same requests, each given a priority class drawn from `mix` (class -> share, seeded,
+    independent of the workload's own randomness) as its priority header, and its tag as its user
+    (the admission queue's tenant). Tags become `<class>/<tag>`, so reports can split by class."""
+    mix = dict(mix or PRIORITY_MIX)
+    if not mix or any(w < 0 for w in mix.values()) or not sum(mix.values()) > 0:
+        raise ValueError(f"priority mix must have non-negative shares summing above 0, got {mix}")
+    rng = random.Random(f"{seed}:priorities")
+    classes = list(mix)
+    cum = list(itertools.accumulate(mix[c] for c in classes))
+    requests, headers = [], []
+    for r in workload.requests:
+        klass = rng.choices(classes, cum_weights=cum)[0]
+        requests.append(WorkloadRequest(r.arrival_s, r.body, f"{klass}/{r.tag}"))
+        headers.append({priority_header: klass, user_header: r.tag})
+    params = {**workload.params, "priority_mix": mix, "priority_seed": seed}
+    return Workload(workload.name, params, requests, headers)
 
 
 def make_workload(name: str, **kwargs: Any) -> Workload:

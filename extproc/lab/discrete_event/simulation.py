@@ -31,8 +31,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from extproc.config import config_from_dict
-from extproc.fleet import FleetView, decode
+from extproc.config import ServiceConfig, config_from_dict
+from extproc.fleet import FleetView, RemoteInFlight, decode
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.lab.bench.report import RequestRecord
 from extproc.lab.discrete_event.references import (
@@ -46,8 +46,10 @@ from extproc.lab.engines.model import EngineModel, StepResult
 from extproc.lab.engines.profiles import GpuProfile
 from extproc.lab.engines.tokens import chat_to_tokens, message_tokens
 from extproc.lifecycle import Decision, RequestLifecycle
-from extproc.openai import RequestError
+from extproc.lifecycle.admission import Verdict, Waiter
+from extproc.openai import InferenceRequest, RequestError, RequestHead
 from extproc.openai.parse import parse_head
+from extproc.server.sync import ReplicaSync
 from extproc.settings import DEFAULT_PROFILE
 from extproc.telemetry import Metrics
 
@@ -64,6 +66,11 @@ class Pending:
     engine: int = -1
     ttft: float | None = None
     decision: Decision | None = None  # the llm-extproc policy's, holding its in-flight lease
+    replica: int = 0  # which llm-extproc replica routed it (replicas > 1)
+    headers: dict[str, str] | None = None  # the request's own headers (priority, user, objective)
+    request: InferenceRequest | None = None  # prepared by ExtprocPolicy.admit
+    waiter: Waiter | None = None  # its place in the admission queue while it waits
+    queued_s: float = 0.0  # time spent in the admission queue, added to its TTFT and E2E
 
 
 class Policy(Protocol):
@@ -165,29 +172,86 @@ class ClairvoyantAffinity:
 
 
 SEEDED_PICKER = {"name": "max-score", "params": {"seed": 0}}
+_BASE_HEADERS = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
+
+
+@dataclass(slots=True)
+class _Replica:
+    """One llm-extproc process: its own config (plugin instances), view and lifecycle."""
+
+    config: ServiceConfig
+    metrics: Metrics
+    view: FleetView
+    lifecycle: RequestLifecycle
+    sync: ReplicaSync | None = None
+    last_sent: float = -1e9
+    flush_at: float | None = None  # when its next sync message is scheduled (None: none is)
+    news: bool = False  # routed or finished something since its last message
+
+    def mark(self) -> None:
+        """InFlight.watch callback: a pick or a finish to publish (as server/sync.py is woken)."""
+        self.news = True
 
 
 class ExtprocPolicy:
-    """The service's RequestLifecycle over a FleetView fed by snapshots of the simulated engines."""
+    """The service's RequestLifecycle over a FleetView fed by snapshots of the simulated engines.
+
+    With `replicas` > 1, that many independent service processes (each its own profile, view and
+    counts) take the requests in turn, as behind one Envoy; with `share`, they exchange the real
+    replica-sync messages (server/sync.py) when `sync()` is called, delivered by the simulation."""
 
     name = "llm-extproc"
 
     def __init__(
-        self, fleet: Fleet, model: str, service: dict[str, Any] | None, clock: Callable[[], float]
+        self,
+        fleet: Fleet,
+        model: str,
+        service: dict[str, Any] | None,
+        clock: Callable[[], float],
+        replicas: int = 1,
+        share: bool = True,
     ) -> None:
         self.fleet = fleet
         n = len(fleet.engines)
-        raw: dict[str, Any] = {
-            "pool": {"clusters": [{"name": f"engine-{i}", "models": [model]} for i in range(n)]},
-            "metrics_listen": None,
-            # The default profile with its random tie-breaks seeded: a run is repeatable.
-            "scheduling": {"profiles": {"default": {**DEFAULT_PROFILE, "picker": SEEDED_PICKER}}},
-            **(service or {}),
-        }
-        self.config = config_from_dict(raw)
-        self.metrics = Metrics([model], [f"engine-{i}" for i in range(n)])
-        self.view = FleetView(self.config.pool, clock=clock)
-        self.lifecycle = RequestLifecycle(self.config, self.metrics, self.view)
+        self.replicas: list[_Replica] = []
+        for r in range(max(1, replicas)):
+            # The default profile with its random tie-breaks seeded (per replica): a run is repeatable.
+            picker = {**SEEDED_PICKER, "params": {"seed": r}}
+            raw: dict[str, Any] = {
+                "pool": {"clusters": [{"name": f"engine-{i}", "models": [model]} for i in range(n)]},
+                "metrics_listen": None,
+                "scheduling": {"profiles": {"default": {**DEFAULT_PROFILE, "picker": picker}}},
+                # Off unless the run asks for it (`service={"admission": ...}`): the routing
+                # benches compare placement with every request served, as the references serve them.
+                "admission": {"enabled": False},
+                **(service or {}),
+            }
+            config = config_from_dict(raw)
+            metrics = Metrics([model], [f"engine-{i}" for i in range(n)])
+            view = FleetView(config.pool, clock=clock)
+            replica = _Replica(config, metrics, view, RequestLifecycle(config, metrics, view))
+            if replicas > 1 and share:
+                remote = RemoteInFlight(config.sync.expire_s, clock=clock)
+                replica.lifecycle.state.share(remote)
+                replica.sync = ReplicaSync(
+                    f"r{r}",
+                    config.profiles,
+                    replica.lifecycle.inflight,
+                    remote,
+                    metrics,
+                    config.sync,
+                    clock=clock,
+                )
+                replica.lifecycle.inflight.watch(replica.mark)
+            self.replicas.append(replica)
+        first = self.replicas[0]
+        self.config, self.metrics, self.view, self.lifecycle = (
+            first.config,
+            first.metrics,
+            first.view,
+            first.lifecycle,
+        )
+        self._turn = itertools.cycle(range(len(self.replicas)))
         self.head = parse_head(
             {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"},
             session_header="x-session-id",
@@ -218,16 +282,96 @@ class ExtprocPolicy:
                 published_at_ms=int(now * 1000) + 1,
                 ttl_ms=max(100, int(ttl_s * 1000)),
             )
-            self.view.apply(decode(snap.SerializeToString(), self.view.known_clusters, now=now))
-        self.view.rebuild()
+            data = snap.SerializeToString()
+            for replica in self.replicas:
+                replica.view.apply(decode(data, replica.view.known_clusters, now=now))
+        for replica in self.replicas:
+            replica.view.rebuild()
 
     def choose(self, req: Pending, body: dict[str, Any], now: float) -> int:
-        req.decision = self.lifecycle.route(self.head, orjson.dumps(body))
+        if req.request is not None:  # admitted by admit(): schedule what it prepared
+            req.decision = self.replicas[req.replica].lifecycle.schedule(req.request)
+        else:
+            req.replica = next(self._turn)
+            lifecycle = self.replicas[req.replica].lifecycle
+            req.decision = lifecycle.route(self._head(lifecycle, req), orjson.dumps(body))
         return int(req.decision.upstream.cluster.removeprefix("engine-"))
+
+    @property
+    def admits(self) -> bool:
+        return self.config.admission.enabled
+
+    def admit(self, req: Pending, body: dict[str, Any], granted: Callable[[Pending], None]) -> bool:
+        """The service's admission for one arrival, in virtual time: True to route it now; False
+        when it waits in the queue (`granted(req)` is called when capacity frees for it). Raises the
+        429 of a request shed at once."""
+        req.replica = next(self._turn)
+        lifecycle = self.replicas[req.replica].lifecycle
+        req.request = lifecycle.prepare(self._head(lifecycle, req), orjson.dumps(body))
+        if lifecycle.admission.decide(req.request) is Verdict.ADMIT:
+            return True
+        req.waiter = lifecycle.admission.enqueue(req.request, lambda err: None if err else granted(req))
+        return False
+
+    def expire(self, req: Pending) -> bool:
+        """Its max wait passed: True when it was still queued (it is now shed, 429)."""
+        assert req.waiter is not None
+        return self.replicas[req.replica].lifecycle.admission.expire(req.waiter)
+
+    def started(self, req: Pending) -> None:
+        assert req.waiter is not None
+        self.replicas[req.replica].lifecycle.admission.started(req.waiter)
+
+    def dispatch(self) -> None:
+        """New snapshots may have freed room: wake waiters."""
+        for replica in self.replicas:
+            replica.lifecycle.admission.dispatch_all()
+
+    def _head(self, lifecycle: RequestLifecycle, req: Pending) -> RequestHead:
+        if not req.headers:
+            return self.head
+        return lifecycle.read_head({**_BASE_HEADERS, **req.headers})
 
     def finished(self, req: Pending) -> None:
         if req.decision is not None:
-            self.lifecycle.finish(req.decision, "response_end")
+            self.replicas[req.replica].lifecycle.finish(req.decision, "response_end")
+
+    @property
+    def sharing(self) -> bool:
+        return any(r.sync is not None for r in self.replicas)
+
+    def flushes(self, now: float) -> list[tuple[int, float]]:
+        """Sync messages to schedule, as server/sync.py's publish loop sends them: news after a quiet
+        spell at once, then at most one message per sync.interval_s. (replica, when) pairs."""
+        out: list[tuple[int, float]] = []
+        for i, r in enumerate(self.replicas):
+            if r.sync is not None and r.news and r.flush_at is None:
+                r.flush_at = max(now, r.last_sent + r.sync.settings.interval_s)
+                out.append((i, r.flush_at))
+        return out
+
+    def sync(self, now: float, only: int | None = None) -> list[tuple[int, bytes]]:
+        """Replica `only`'s scheduled message, or (None) the heartbeat tick of all: each replica's
+        message if it has news or owes a heartbeat, by replica."""
+        out: list[tuple[int, bytes]] = []
+        for i, replica in enumerate(self.replicas):
+            if replica.sync is None or (only is not None and i != only):
+                continue
+            if only is not None:
+                replica.flush_at = None
+            replica.sync.expire()
+            force = now - replica.last_sent >= replica.sync.settings.heartbeat_s
+            data = replica.sync.outgoing(force=force)
+            replica.news = False
+            if data is not None:
+                replica.last_sent = now
+                out.append((i, data))
+        return out
+
+    def deliver(self, origin: int, data: bytes) -> None:
+        for i, replica in enumerate(self.replicas):
+            if i != origin and replica.sync is not None:
+                replica.sync.incoming(data)
 
 
 @dataclass(slots=True)
@@ -288,18 +432,29 @@ def simulate(
     service: dict[str, Any] | None = None,
     tokens: Sequence[list[int]] | None = None,
     peer_configs: dict[str, CacheAwareConfig] | None = None,
+    replicas: int = 1,
+    share: bool = True,
+    sync_delay_s: float = 0.002,
+    headers: Sequence[dict[str, str] | None] | None = None,
 ) -> DesRun:
     """Run one policy over the workload on fresh engines; every request gets a record.
 
     `tokens` (from `tokenize_requests`) saves re-tokenizing the same workload for every policy;
-    `peer_configs` overrides the peers' cache_aware parameters by policy name."""
+    `peer_configs` overrides the peers' cache_aware parameters by policy name. `replicas` runs that
+    many llm-extproc processes taking requests in turn; with `share` they exchange replica-sync
+    messages as the service does (at once after a quiet spell, then at most one per `sync.interval_s`
+    of virtual time, heartbeats every `sync.heartbeat_s`), each delivered `sync_delay_s` later
+    (Redis pub/sub on a LAN). `headers` gives each request its own headers
+    (priority class, user, TTFT objective); with `service={"admission": {...}}` the llm-extproc
+    policy admits, queues and sheds as the service does, in virtual time (a queued request's wait
+    counts in its TTFT)."""
     started = time.perf_counter()
     fleet = Fleet([EngineModel(p) for p in profiles])
     now = 0.0
     chosen: Policy
     extproc: ExtprocPolicy | None = None
     if policy == "llm-extproc":
-        extproc = ExtprocPolicy(fleet, model, service, clock=lambda: now)
+        extproc = ExtprocPolicy(fleet, model, service, clock=lambda: now, replicas=replicas, share=share)
         chosen = extproc
     elif policy == "round-robin":
         chosen = RoundRobin(fleet)
@@ -316,13 +471,27 @@ def simulate(
     else:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
 
-    # Event queue: (time, order, kind, payload). Kinds: 0 publish, 1 step end, 2 arrival.
+    # Event queue: (time, order, kind, payload). Kinds: 0 publish, 1 step end, 2 arrival,
+    # 3 replica sync heartbeat tick, 4 a sync message delivered (payload: its key in `in_transit`),
+    # 5 a queued request granted capacity by admission, 6 a queued request's deadline,
+    # 7 one replica's scheduled sync message (payload: the replica).
+    admits = extproc is not None and extproc.admits
+    queued: dict[int, Pending] = {}  # waiting in the admission queue, by request index
+
+    def granted(req: Pending) -> None:
+        heapq.heappush(events, (now, next(seq), 5, req.index))
+
     seq = itertools.count()
     events: list[tuple[float, int, int, int]] = []
     for i, (arrival, _, _) in enumerate(requests):
         heapq.heappush(events, (arrival, next(seq), 2, i))
     if extproc is not None:
         heapq.heappush(events, (0.0, next(seq), 0, 0))
+    heartbeat = extproc.config.sync.heartbeat_s if extproc is not None else 0.0
+    sharing = extproc is not None and extproc.sharing
+    if sharing:
+        heapq.heappush(events, (0.0, next(seq), 3, 0))
+    in_transit: dict[int, tuple[int, bytes]] = {}
     stepping = [False] * len(fleet.engines)
     pending: dict[str, Pending] = {}
     records: list[RequestRecord] = []
@@ -340,15 +509,50 @@ def simulate(
         step_results[i] = result
 
     while events and remaining > 0:
+        if sharing:
+            assert extproc is not None
+            for replica, when in extproc.flushes(now):
+                heapq.heappush(events, (when, next(seq), 7, replica))
         now, _, kind, payload = heapq.heappop(events)
         if kind == 0 and extproc is not None:
             extproc.publish(now, ttl_s=3 * publish_interval_s)
+            if admits:
+                extproc.dispatch()
             heapq.heappush(events, (now + publish_interval_s, next(seq), 0, 0))
-        elif kind == 2:
+        elif kind in (3, 7) and extproc is not None:
+            for message in extproc.sync(now, only=payload if kind == 7 else None):
+                key = next(seq)
+                in_transit[key] = message
+                heapq.heappush(events, (now + sync_delay_s, key, 4, key))
+            if kind == 3:
+                heapq.heappush(events, (now + heartbeat, next(seq), 3, 0))
+        elif kind == 4 and extproc is not None:
+            extproc.deliver(*in_transit.pop(payload))
+        elif kind == 6 and extproc is not None:  # a queued request's max wait is over
+            req = queued.pop(payload, None)
+            if req is not None and extproc.expire(req):
+                records.append(_failed(req, 429, "queue_timeout"))
+                records[-1].e2e_s = now - req.arrival  # when the 429 went out
+                remaining -= 1
+        elif kind in (2, 5):
             arrival, body, tag = requests[payload]
-            prompt = tokens[payload] if tokens is not None else chat_to_tokens(body["messages"])
-            req = Pending(payload, tag, arrival, prompt, int(body.get("max_tokens") or 16))
+            if kind == 2:
+                prompt = tokens[payload] if tokens is not None else chat_to_tokens(body["messages"])
+                req = Pending(payload, tag, arrival, prompt, int(body.get("max_tokens") or 16))
+                req.headers = headers[payload] if headers is not None else None
+            else:  # 5: a queued request was granted capacity
+                req = queued.pop(payload)
+                assert extproc is not None
+                extproc.started(req)
+                req.queued_s = now - req.arrival
             try:
+                if kind == 2 and admits:
+                    assert extproc is not None
+                    if not extproc.admit(req, body, granted):
+                        queued[payload] = req
+                        deadline = now + extproc.config.admission.max_wait_s
+                        heapq.heappush(events, (deadline, next(seq), 6, payload))
+                        continue
                 engine = chosen.choose(req, body, now)
                 fleet.engines[engine].submit(str(payload), prompt, req.max_tokens, now)
             except (RequestError, ValueError) as exc:
@@ -378,8 +582,8 @@ def simulate(
                         status=200,
                         error=None,
                         arrival_s=req.arrival,
-                        ttft_s=done.ttft,
-                        e2e_s=done.latency,
+                        ttft_s=done.ttft + req.queued_s,
+                        e2e_s=done.latency + req.queued_s,
                         prompt_tokens=done.prompt_tokens,
                         completion_tokens=done.completion_tokens,
                         cached_tokens=done.cached_tokens,

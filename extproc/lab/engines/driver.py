@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from extproc.lab.engines.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
+from extproc.publishers.kv_events import KvEvent
 
 Event = FirstTokenEvent | TokenEvent | FinishedEvent
 
@@ -27,6 +28,8 @@ class ModelDriver:
         self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
         self._next_id = 0
+        # Told each step's KV-cache events (the model must be built with kv_events=True).
+        self.on_kv_events: Callable[[list[KvEvent]], None] | None = None
 
     def now(self) -> float:
         """Virtual seconds since start."""
@@ -50,6 +53,10 @@ class ModelDriver:
                 await self._wake.wait()
                 continue
             await asyncio.sleep(result.duration / self.time_scale)
+            if self.on_kv_events is not None:
+                kv_events = self.model.drain_kv_events()
+                if kv_events:
+                    self.on_kv_events(kv_events)
             for group in (result.first_tokens, result.tokens, result.finished):
                 for ev in group:
                     q = self._queues.get(ev.request_id)

@@ -24,6 +24,11 @@ What is modelled (docs/simulator.md has the long version):
   prefill_s_per_token, plus, if any sequence decodes, n_decoding x decode_s_per_seq + context_tokens x
   decode_s_per_kv_token, where context_tokens is the KV read by the decoding sequences.
 
+KV-cache events (optional, `kv_events=True`): the pool records vLLM's `BlockStored` (each run of
+newly cached full blocks, with its parent's hash and token ids), `BlockRemoved` (a cached block
+evicted) and `AllBlocksCleared` (`reset_prefix_cache`), which a driver drains after each step
+(`drain_kv_events`) and publishes in vLLM's wire format (server.py; extproc.publishers.kv_events).
+
 A step costs O(running sequences + blocks allocated or freed + block hashes of newly full blocks and
 of admitted prompts' lookups); nothing scans the cache. Token ids must fit in uint32.
 """
@@ -40,6 +45,7 @@ from hashlib import blake2b
 
 from extproc.lab.engines.profiles import GpuProfile
 from extproc.lab.engines.tokens import PIECE_VOCAB
+from extproc.publishers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 ROOT_HASH = bytes(16)  # parent of a sequence's first block
 
@@ -130,6 +136,7 @@ class _BlockPool:
         self.free: OrderedDict[int, _Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, _Block] = {}
         self.evictions = 0  # cached blocks whose data was dropped to make room
+        self.events: list[KvEvent] | None = None  # KV-cache events since the last drain, when enabled
 
     @property
     def num_free(self) -> int:
@@ -159,6 +166,8 @@ class _BlockPool:
                 if self.cached.get(block.hash) is block:
                     del self.cached[block.hash]
                     self.evictions += 1
+                    if self.events is not None:  # one event per evicted block, as vLLM sends them
+                        self.events.append(BlockRemoved([block.hash], "GPU", 0))
                 block.hash = None
             block.ref_count = 1
             out.append(block)
@@ -174,12 +183,26 @@ class _BlockPool:
                 if block.hash is None:
                     self.free.move_to_end(block.block_id, last=False)
 
-    def cache(self, block: _Block, h: bytes) -> None:
+    def cache(self, block: _Block, h: bytes) -> bool:
+        """True when `block` now holds the cached copy of `h`."""
         # An identical block computed concurrently by another sequence is not de-duplicated (vLLM
         # doesn't either); the first one stays the cached copy.
         if block.hash is None and h not in self.cached:
             self.cached[h] = block
             block.hash = h
+            return True
+        return False
+
+    def reset(self) -> bool:
+        """Drop every cached block (vLLM's reset_prefix_cache); refused while any block is in use."""
+        if any(b.ref_count for b in self.blocks):
+            return False
+        for block in self.blocks:
+            block.hash = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
 
 
 # --- sequences -------------------------------------------------------------------------------------
@@ -213,11 +236,20 @@ def next_token(last_token: int, position: int) -> int:
 class EngineModel:
     """One simulated engine (one GPU, one model) in virtual seconds. See the module docstring."""
 
-    def __init__(self, profile: GpuProfile, *, clock_start: float = 0.0, ready_at: float = 0.0) -> None:
+    def __init__(
+        self,
+        profile: GpuProfile,
+        *,
+        clock_start: float = 0.0,
+        ready_at: float = 0.0,
+        kv_events: bool = False,
+    ) -> None:
         self.profile = profile
         self.clock = clock_start  # the latest time seen; time never runs backwards
         self.ready_at = ready_at
         self._pool = _BlockPool(profile.num_gpu_blocks)
+        if kv_events:
+            self._pool.events = []
         self._seqs: dict[str, _Seq] = {}
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # admission order
@@ -433,9 +465,45 @@ class EngineModel:
         if full <= seq.num_cached_blocks:
             return
         hashes = self._full_hashes(seq, full)
+        pool = self._pool
+        events = pool.events
+        run_start = -1  # first block of the current run of newly cached blocks (events only)
         for i in range(seq.num_cached_blocks, full):
-            self._pool.cache(seq.blocks[i], hashes[i])
+            if pool.cache(seq.blocks[i], hashes[i]):
+                if run_start < 0:
+                    run_start = i
+            elif events is not None and run_start >= 0:
+                self._stored(seq, hashes, run_start, i)
+                run_start = -1
+        if events is not None and run_start >= 0:
+            self._stored(seq, hashes, run_start, full)
         seq.num_cached_blocks = full
+
+    def _stored(self, seq: _Seq, hashes: list[bytes], start: int, end: int) -> None:
+        """A BlockStored event for blocks [start, end) of `seq`, just cached."""
+        assert self._pool.events is not None
+        bs = self.profile.block_size
+        self._pool.events.append(
+            BlockStored(
+                hashes[start:end],
+                hashes[start - 1] if start else None,
+                seq.tokens[start * bs : end * bs],
+                bs,
+                group_idx=0,
+            )
+        )
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """KV-cache events since the last call (empty unless built with kv_events=True)."""
+        events = self._pool.events
+        if not events:
+            return []
+        self._pool.events = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's /reset_prefix_cache; False while requests run."""
+        return self._pool.reset()
 
     def _full_hashes(self, seq: _Seq, count: int) -> list[bytes]:
         """The sequence's block hashes, at least its first `count` full blocks' (computed once each)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -23,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from extproc.lab.engines.driver import ModelDriver
+from extproc.lab.engines.kv_publisher import KvEventPublisher
 from extproc.lab.engines.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
 from extproc.lab.engines.profiles import GpuProfile
 from extproc.lab.engines.tokens import chat_to_tokens, token_text, tokenize
@@ -60,13 +63,27 @@ class SimEngine:
         profile: GpuProfile | None = None,
         time_scale: float = 1.0,
         ready_delay_s: float = 0.0,
+        check_model: bool = False,
+        kv_events_port: int | None = None,
+        kv_events_topic: str = "",
     ) -> None:
         self.name = name
+        # KV-cache events (model-driven engines only): vLLM's ZMQ PUB on this port (0: any free one,
+        # read `kv_events_port` after start()); None: off.
+        self.kv_events_port = kv_events_port
+        self.kv_events_topic = kv_events_topic
+        self.kv_publisher: KvEventPublisher | None = None
+        # vLLM answers 404 for a model it does not serve; `llm-extproc sim` does too. Tests and benches
+        # leave it off so one engine can stand in for several configured model names.
+        self.check_model = check_model
         # With a profile, generation follows the engine model (batching, KV cache with prefix reuse,
         # preemption) in virtual time scaled by time_scale; without, a fixed cost per token.
         self.driver: ModelDriver | None = None
         if profile is not None:
-            self.driver = ModelDriver(EngineModel(profile, ready_at=ready_delay_s * time_scale), time_scale)
+            engine_model = EngineModel(
+                profile, ready_at=ready_delay_s * time_scale, kv_events=kv_events_port is not None
+            )
+            self.driver = ModelDriver(engine_model, time_scale)
         self.ready = True  # /health answers 503 while False (model "loading")
         # While True every request (health and metrics included) is accepted and never answered: a
         # wedged engine process. /sim/stats still answers, for tests.
@@ -77,7 +94,7 @@ class SimEngine:
         self.default_tokens = default_tokens
         self.stats = EngineStats()
         self._setup_metrics(max_batch)
-        self.app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._hang])
+        self.app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._errors, self._hang])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self._chat),
@@ -104,6 +121,10 @@ class SimEngine:
         sockets = site._server.sockets  # type: ignore[union-attr]
         self.port = sockets[0].getsockname()[1]
         if self.driver is not None:
+            if self.kv_events_port is not None:
+                self.kv_publisher = KvEventPublisher(host, self.kv_events_port, self.kv_events_topic)
+                self.kv_events_port = self.kv_publisher.port
+                self.driver.on_kv_events = self.kv_publisher.publish
             self.driver.start()
         return self.port
 
@@ -112,6 +133,24 @@ class SimEngine:
             await self.driver.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
+            self.kv_publisher = None
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """aiohttp's own errors (unknown route, wrong method, body too large) as vLLM-shaped JSON."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = exc.text if exc.text and exc.text != f"{exc.status}: {exc.reason}" else ""
+            if exc.status == 404:
+                message = f"{request.method} {request.path}: no such route"
+            elif exc.status == 405:
+                message = f"method {request.method} not allowed on {request.path}"
+            return _error(exc.status, message or exc.reason, headers=_allow(exc))
 
     @web.middleware
     async def _hang(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -136,10 +175,12 @@ class SimEngine:
             return _error(400, "invalid JSON")
         if not isinstance(doc, dict):
             return _error(400, "body must be an object")
+        if (missing := self._unknown_model(doc)) is not None:
+            return missing
         self._record(request)
         n_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.default_tokens
-        if not isinstance(n_tokens, int):
-            return _error(400, "max_tokens must be an integer")
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool):
+            return _error(400, "max_tokens must be an integer", param="max_tokens")
         n_tokens = max(1, min(n_tokens, 4096))
         if self.driver is not None:
             return await self._generate_model(request, doc, chat, n_tokens)
@@ -201,17 +242,50 @@ class SimEngine:
         return resp
 
     async def _embeddings(self, request: web.Request) -> web.Response:
-        await request.read()
+        """One vector per input, as vLLM does: a string or a token list is one input, a list of strings
+        or of token lists is one input each. Vectors are deterministic per input (unit length)."""
+        try:
+            doc = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return _error(400, "invalid JSON")
+        if not isinstance(doc, dict):
+            return _error(400, "body must be an object")
+        if (missing := self._unknown_model(doc)) is not None:
+            return missing
+        inputs = _embedding_inputs(doc.get("input"))
+        if inputs is None:
+            return _error(
+                400,
+                "input must be a string, a list of strings, a list of token ids or a list of such lists",
+                param="input",
+            )
         self._record(request)
         await asyncio.sleep(self.token_delay_s)
+        prompt_tokens = sum(len(x) if isinstance(x, list) else len(tokenize(x)) for x in inputs)
         return web.json_response(
             {
+                "id": f"embd-{uuid.uuid4().hex[:12]}",
                 "object": "list",
-                "data": [{"object": "embedding", "index": 0, "embedding": [0.0] * 8}],
-                "model": self.model,
+                "created": int(time.time()),
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": _vector(x)} for i, x in enumerate(inputs)
+                ],
+                "model": doc.get("model", self.model),
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "total_tokens": prompt_tokens,
+                    "completion_tokens": 0,
+                },
             },
             headers={"x-sim-engine": self.name},
         )
+
+    def _unknown_model(self, doc: dict[str, Any]) -> web.Response | None:
+        """vLLM's 404 for a model this engine does not serve (only with `check_model`)."""
+        model = doc.get("model")
+        if not self.check_model or model is None or model == self.model:
+            return None
+        return _error(404, f"The model `{model}` does not exist.", param="model")
 
     async def _models(self, request: web.Request) -> web.Response:
         self._record(request)
@@ -516,10 +590,58 @@ def _prompt_tokens(doc: dict[str, Any], chat: bool) -> list[int]:
     return []
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": "invalid_request_error", "code": status}}, status=status
-    )
+# vLLM's error body: `ErrorResponse(error=ErrorInfo(message, type, param, code))` in
+# vllm/entrypoints/openai/protocol.py (vllm-project/vllm, e.g. commit 0052bed3), where `type` is the
+# exception name vLLM's serving layer gives (`create_error_response`: BadRequestError by default,
+# NotFoundError for an unknown model) and `code` the HTTP status as an integer. Older vLLM releases sent
+# the same fields flat with "object": "error"; the nested form is what OpenAI clients read.
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestEntityTooLarge",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def _error(
+    status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
+    error = {"message": message, "type": ERROR_TYPES.get(status, "BadRequestError"), "param": param}
+    return web.json_response({"error": error | {"code": status}}, status=status, headers=headers)
+
+
+def _allow(exc: web.HTTPException) -> dict[str, str] | None:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else None
+
+
+def _embedding_inputs(raw: Any) -> list[str | list[int]] | None:
+    """The inputs of an embeddings request, one item per vector; None when malformed or empty."""
+
+    def token_ids(x: Any) -> bool:
+        return (
+            isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        )
+
+    if isinstance(raw, str):
+        return [raw]
+    if token_ids(raw):
+        return [list(raw)]
+    if isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
+        return list(raw)
+    if isinstance(raw, list) and raw and all(token_ids(x) for x in raw):
+        return [list(x) for x in raw]
+    return None
+
+
+def _vector(item: str | list[int], dim: int = 8) -> list[float]:
+    """A deterministic unit vector for one input (same input, same vector)."""
+    seed = hashlib.blake2b(orjson.dumps(item), digest_size=2 * dim).digest()
+    raw = [b - 127.5 for b in seed[:dim]]
+    norm = math.sqrt(sum(v * v for v in raw)) or 1.0
+    return [v / norm for v in raw]
 
 
 async def run_engines(
@@ -530,16 +652,32 @@ async def run_engines(
     max_batch: int = 0,
     profiles: list[GpuProfile] | None = None,
     time_scale: float = 1.0,
+    kv_events_port: int | None = None,
+    kv_events_topic: str = "",
 ) -> None:
-    """`llm-extproc sim`: one engine per delay (or per profile), on consecutive ports, until interrupted."""
+    """`llm-extproc sim`: one engine per delay (or per profile), on consecutive ports, until interrupted.
+    Like vLLM, these engines answer 404 for a model other than `model`. With `kv_events_port` (and
+    profiles), engine i publishes vLLM-format KV-cache events on kv_events_port + i (0: any port)."""
     kinds: list[GpuProfile | None] = list(profiles) if profiles else [None] * len(delays_s)
     engines = [
-        SimEngine(f"sim-{i}", model, delays_s[i], max_batch=max_batch, profile=p, time_scale=time_scale)
+        SimEngine(
+            f"sim-{i}",
+            model,
+            delays_s[i],
+            max_batch=max_batch,
+            profile=p,
+            time_scale=time_scale,
+            check_model=True,
+            kv_events_port=None if kv_events_port is None else (kv_events_port + i if kv_events_port else 0),
+            kv_events_topic=kv_events_topic,
+        )
         for i, p in enumerate(kinds)
     ]
     for i, engine in enumerate(engines):
         port = await engine.start(host, first_port + i if first_port else 0)
         print(f"sim engine {engine.name} serving '{model}' on http://{host}:{port}", flush=True)
+        if engine.kv_publisher is not None:
+            print(f"  kv events: tcp://{host}:{engine.kv_events_port} topic '{kv_events_topic}'", flush=True)
     try:
         await asyncio.Event().wait()
     finally:

@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,6 +48,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """The first of `n` consecutive free ports (for `serve --workers N`: port + i per worker), none of
+    them in `avoid` (ports already handed out but not bound yet)."""
+    for _ in range(200):
+        first = free_port(host)
+        if first + n > 65535 or any(p in avoid for p in range(first, first + n)):
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first, first + n):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def wait_port(host: str, port: int, timeout: float = 20.0) -> None:
@@ -196,8 +214,14 @@ class ServiceProcess:
     """`llm-extproc serve` as a child process (so tests can kill it like an operator would)."""
 
     def __init__(
-        self, config: Mapping[str, Any], port: int, log_path: Path, metrics_port: int | None = None
+        self,
+        config: Mapping[str, Any],
+        port: int,
+        log_path: Path,
+        metrics_port: int | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
+        self.extra_args = list(extra_args)  # e.g. ["--workers", "2"]
         self.port = port
         self.metrics_port = metrics_port
         self.log_path = log_path
@@ -212,7 +236,15 @@ class ServiceProcess:
     def start(self, timeout: float = 20.0) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "extproc.cli", "serve", "--config", str(self.config_path)],
+            [
+                sys.executable,
+                "-m",
+                "extproc.cli",
+                "serve",
+                "--config",
+                str(self.config_path),
+                *self.extra_args,
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -301,7 +333,10 @@ class LocalGateway:
 
     `clusters` maps each Envoy cluster of the template to the loopback ports of its engines.
     `replicas` service processes (own gRPC and metrics ports) all sit in Envoy's llm-extproc cluster;
-    `services[i]` is replica i, and `service`, `service_port`, `metrics_url` are replica 0's."""
+    `services[i]` is replica i, and `service`, `service_port`, `metrics_url` are replica 0's.
+    `workers` > 1 runs one `serve --workers N` instead (worker i: metrics port + i, and with
+    `worker_ports="consecutive"` gRPC port + i, all listed in Envoy's cluster); `metrics(i)` is
+    worker i's."""
 
     def __init__(
         self,
@@ -312,14 +347,25 @@ class LocalGateway:
         envoy_file: str = "envoy.yaml",
         envoy_edit: Callable[[dict[str, Any]], None] | None = None,
         replicas: int = 1,
+        service_args: Sequence[str] = (),
+        workers: int = 1,
+        worker_ports: str = "consecutive",
     ) -> None:
-        if replicas < 1:
-            raise ValueError("replicas must be at least 1")
+        if replicas < 1 or workers < 1 or (replicas > 1 and workers > 1):
+            raise ValueError("replicas and workers must be at least 1, and not both above 1")
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.listener_port, self.admin_port = free_port(), free_port()
         self.service_ports = [free_port() for _ in range(replicas)]
         self.metrics_ports = [free_port() for _ in range(replicas)]
+        if workers > 1:
+            taken = {self.listener_port, self.admin_port}
+            base = free_port_run(workers, avoid=taken)
+            metrics_base = free_port_run(workers, avoid=taken | set(range(base, base + workers)))
+            shared = worker_ports == "shared"
+            self.service_ports = [base] if shared else list(range(base, base + workers))
+            self.metrics_ports = list(range(metrics_base, metrics_base + workers))
+            service_args = [*service_args, "--workers", str(workers), "--worker-ports", worker_ports]
         self.service_port, self.metrics_port = self.service_ports[0], self.metrics_ports[0]
         self.url = f"http://127.0.0.1:{self.listener_port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -340,9 +386,12 @@ class LocalGateway:
                 port,
                 workdir / ("service.log" if i == 0 else f"service-{i}.log"),
                 metrics_port,
+                service_args,
             )
-            for i, (port, metrics_port) in enumerate(zip(self.service_ports, self.metrics_ports, strict=True))
-        ]
+            for i, (port, metrics_port) in enumerate(
+                zip(self.service_ports, self.metrics_ports[: len(self.service_ports)], strict=True)
+            )
+        ][: 1 if workers > 1 else None]
         self.service = self.services[0]
         self.envoy = EnvoyProcess(cfg, self.admin_port, self.listener_port, workdir / "envoy.log")
 
@@ -412,7 +461,13 @@ class RedisProcess:
     """A throwaway `redis-server` on a loopback port (no persistence), stoppable and restartable on the
     same port so tests can take Redis away and bring it back."""
 
-    def __init__(self, log_path: Path, port: int | None = None, password: str | None = None) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        port: int | None = None,
+        password: str | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise FileNotFoundError(
@@ -422,6 +477,7 @@ class RedisProcess:
         self.port = port or free_port()
         self.password = password
         self.log_path = log_path
+        self.extra_args = list(extra_args)  # e.g. --replicaof, --cluster-enabled (redis_topologies.py)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -443,6 +499,7 @@ class RedisProcess:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.extra_args
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_port("127.0.0.1", self.port, timeout)
@@ -456,6 +513,12 @@ class RedisProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or lost host would end."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class FakeRedisServer:

@@ -1,0 +1,360 @@
+"""`llm-extproc doctor`: check a running setup from the outside and say what to fix.
+
+Reads what the parts themselves read: the service YAML (as `serve` loads it), Envoy's admin API
+(/ready, /clusters, /config_dump) or an envoy.yaml file, and the snapshot keys in Redis (decoded and
+validated as the service's RedisFeed does). One `Check` per question; nothing is changed anywhere.
+An operator tool at the command-line layer: it never imports the lab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from extproc.config import ServiceConfig, load_config
+from extproc.fleet import snapshot_pb2 as spb
+from extproc.fleet.redis_feed import redis_client
+from extproc.fleet.snapshots import InstanceState, SnapshotRejected, decode
+from extproc.settings import RedisSettings, redis_settings
+
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+DEFAULT_EXT_PROC_CLUSTER = "llm-extproc"
+
+
+@dataclass(slots=True)
+class Check:
+    """One answer: `ok` None means skipped (nothing to check), with why in `detail`."""
+
+    name: str
+    ok: bool | None
+    detail: str
+
+    def line(self) -> str:
+        status = "SKIP" if self.ok is None else "OK" if self.ok else "FAIL"
+        return f"{status:<4} {self.name}: {self.detail}"
+
+
+@dataclass(slots=True)
+class DoctorOptions:
+    config: str | None = None
+    envoy_admin: str | None = None
+    envoy_config: str | None = None
+    redis_url: str | None = None
+    timeout_s: float = 3.0
+
+
+async def run_doctor(opts: DoctorOptions) -> list[Check]:
+    """Every check, in the order an operator would fix them."""
+    checks: list[Check] = []
+    config: ServiceConfig | None = None
+    try:
+        config = load_config(opts.config)
+        checks.append(
+            Check(
+                "service config",
+                True,
+                f"{len(config.pool.clusters)} clusters ({', '.join(config.pool.cluster_names())}), "
+                f"models {', '.join(config.pool.models()) or '*'}",
+            )
+        )
+    except (ValueError, OSError) as exc:
+        checks.append(Check("service config", False, f"{exc} (fix the YAML; `llm-extproc check-config`)"))
+
+    envoy_cfg: dict[str, Any] | None = None
+    timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        if opts.envoy_admin:
+            admin = opts.envoy_admin.rstrip("/")
+            reachable = await _check_admin(session, admin, checks)
+            if reachable:
+                envoy_cfg = await _admin_config(session, admin)
+                await _check_ext_proc_cluster(session, admin, _ext_proc_cluster(envoy_cfg), checks)
+        else:
+            checks.append(Check("envoy admin", None, "not checked: pass --envoy-admin http://HOST:9901"))
+    if opts.envoy_config:
+        try:
+            envoy_cfg = _file_config(Path(opts.envoy_config))
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            checks.append(Check("envoy config", False, f"cannot read {opts.envoy_config}: {exc}"))
+    if config is not None:
+        if envoy_cfg is not None:
+            checks.append(_check_clusters(config, envoy_cfg, opts.envoy_config or "Envoy's config_dump"))
+        else:
+            checks.append(
+                Check("clusters agree", None, "not checked: pass --envoy-admin or --envoy-config envoy.yaml")
+            )
+        settings = _redis_settings(config, opts.redis_url)
+        if settings is None:
+            checks.append(Check("redis", None, "no `fleet:` in the service YAML and no --redis: static pool"))
+        else:
+            checks.extend(await _check_redis(settings, config, opts.timeout_s))
+    return checks
+
+
+async def run_doctor_until(opts: DoctorOptions, wait_s: float = 0.0) -> list[Check]:
+    """`run_doctor`, repeated every second while a check fails, for up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        checks = await run_doctor(opts)
+        if all(c.ok is not False for c in checks) or time.monotonic() >= deadline:
+            return checks
+        await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+# -- Envoy -----------------------------------------------------------------------------------------
+async def _get(session: aiohttp.ClientSession, url: str, **params: str) -> tuple[int, str]:
+    async with session.get(url, params=params or None) as r:
+        return r.status, await r.text()
+
+
+async def _check_admin(session: aiohttp.ClientSession, admin: str, checks: list[Check]) -> bool:
+    try:
+        status, text = await _get(session, f"{admin}/ready")
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        checks.append(
+            Check(
+                "envoy admin",
+                False,
+                f"{admin} unreachable ({type(exc).__name__}: {exc or 'timeout'}): is Envoy running, and is "
+                "this its admin address (envoy.yaml `admin:`)?",
+            )
+        )
+        return False
+    state = text.strip() or f"HTTP {status}"
+    if status != 200:
+        checks.append(Check("envoy admin", False, f"{admin} answers but Envoy is not ready: {state}"))
+        return True
+    checks.append(Check("envoy admin", True, f"{admin}: {state}"))
+    return True
+
+
+async def _admin_config(session: aiohttp.ClientSession, admin: str) -> dict[str, Any]:
+    """Clusters and listeners from /config_dump, shaped like an envoy.yaml's static_resources."""
+    clusters: list[dict[str, Any]] = []
+    listeners: list[dict[str, Any]] = []
+    for resource in ("static_clusters", "dynamic_active_clusters"):
+        status, text = await _get(session, f"{admin}/config_dump", resource=resource)
+        if status == 200:
+            for entry in yaml.safe_load(text).get("configs", []):
+                if isinstance(entry.get("cluster"), dict):
+                    clusters.append(entry["cluster"])
+    for resource in ("static_listeners", "dynamic_listeners"):
+        status, text = await _get(session, f"{admin}/config_dump", resource=resource)
+        if status == 200:
+            for entry in yaml.safe_load(text).get("configs", []):
+                listener = entry.get("listener") or (entry.get("active_state") or {}).get("listener")
+                if isinstance(listener, dict):
+                    listeners.append(listener)
+    return {"static_resources": {"clusters": clusters, "listeners": listeners}}
+
+
+def _file_config(path: Path) -> dict[str, Any]:
+    doc = yaml.safe_load(path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError("not a YAML mapping")
+    return doc
+
+
+def _walk(node: Any) -> Iterable[dict[str, Any]]:
+    if isinstance(node, dict):
+        yield node
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def _ext_proc_cluster(envoy_cfg: Mapping[str, Any]) -> str:
+    """The cluster Envoy's ext_proc filter calls (envoy_grpc.cluster_name), else the shipped name."""
+    listeners = envoy_cfg.get("static_resources", {}).get("listeners", [])
+    for node in _walk(listeners):
+        if node.get("name") == EXT_PROC_FILTER:
+            for inner in _walk(node.get("typed_config")):
+                grpc = inner.get("envoy_grpc")
+                if isinstance(grpc, dict) and isinstance(grpc.get("cluster_name"), str):
+                    return str(grpc["cluster_name"])
+    return DEFAULT_EXT_PROC_CLUSTER
+
+
+async def _check_ext_proc_cluster(
+    session: aiohttp.ClientSession, admin: str, name: str, checks: list[Check]
+) -> None:
+    """Envoy's own view of the service: at least one host of the ext_proc cluster passing health checks."""
+    status, text = await _get(session, f"{admin}/clusters", format="json")
+    statuses = yaml.safe_load(text).get("cluster_statuses", []) if status == 200 else []
+    cluster = next((c for c in statuses if c.get("name") == name), None)
+    if cluster is None:
+        checks.append(Check("llm-extproc cluster", False, f"Envoy has no cluster {name!r}: fix envoy.yaml"))
+        return
+    healthy: list[str] = []
+    sick: list[str] = []
+    for host in cluster.get("host_statuses", []):
+        sock = host.get("address", {}).get("socket_address", {})
+        addr = f"{sock.get('address')}:{sock.get('port_value')}"
+        hs = host.get("health_status", {})
+        flags = [k for k, v in hs.items() if k.startswith("failed") and v] + (
+            [hs["eds_health_status"].lower()] if hs.get("eds_health_status", "HEALTHY") != "HEALTHY" else []
+        )
+        (sick if flags else healthy).append(f"{addr} ({', '.join(flags)})" if flags else addr)
+    if healthy:
+        extra = f"; unhealthy: {', '.join(sick)}" if sick else ""
+        checks.append(Check("llm-extproc cluster", True, f"{name}: healthy {', '.join(healthy)}{extra}"))
+    elif sick:
+        checks.append(
+            Check(
+                "llm-extproc cluster",
+                False,
+                f"{name}: no healthy host ({', '.join(sick)}): is `llm-extproc serve` running and listening "
+                "where the cluster points (--listen / `listen:`), answering gRPC health SERVING?",
+            )
+        )
+    else:
+        checks.append(Check("llm-extproc cluster", False, f"{name}: no hosts: give it an endpoint"))
+
+
+def _check_clusters(config: ServiceConfig, envoy_cfg: Mapping[str, Any], source: str) -> Check:
+    """Every pool cluster exists in Envoy (else requests routed there get 503 NC), and every Envoy cluster
+    tagged with llm-extproc metadata is in the pool (else the publisher scrapes engines never routed to)."""
+    clusters = envoy_cfg.get("static_resources", {}).get("clusters", []) or []
+    envoy_names = {c.get("name") for c in clusters if isinstance(c, dict)}
+    tagged = {
+        c.get("name")
+        for c in clusters
+        if isinstance(c, dict) and "llm-extproc" in (c.get("metadata", {}).get("filter_metadata") or {})
+    }
+    pool = set(config.pool.cluster_names())
+    problems = []
+    missing = sorted(pool - envoy_names)
+    if missing:
+        problems.append(
+            f"in the service YAML but not in Envoy: {', '.join(missing)} (add them to envoy.yaml's "
+            "clusters, or remove them from the YAML's pool)"
+        )
+    untracked = sorted(str(n) for n in tagged - pool)
+    if untracked:
+        problems.append(
+            f"tagged llm-extproc in Envoy but not in the service YAML's pool: {', '.join(untracked)} "
+            "(add them to the pool with their models)"
+        )
+    if problems:
+        return Check("clusters agree", False, f"{source}: " + "; ".join(problems))
+    return Check("clusters agree", True, f"{', '.join(sorted(pool))} in both the service YAML and {source}")
+
+
+# -- Redis and snapshots ---------------------------------------------------------------------------
+def _redis_settings(config: ServiceConfig, url: str | None) -> RedisSettings | None:
+    """The service's own Redis settings (pool, prefix, TLS), with --redis replacing the URL."""
+    if url is None:
+        return config.fleet
+    if config.fleet is None:
+        return redis_settings({"url": url}, "--redis")
+    return dataclasses.replace(config.fleet, url=redis_settings({"url": url}, "--redis").url)
+
+
+async def _check_redis(settings: RedisSettings, config: ServiceConfig, timeout_s: float) -> list[Check]:
+    client = redis_client(settings)
+    shown = settings.url.split("@")[-1]
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.ping()
+            states, rejected = await _read_snapshots(client, settings, config)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        return [
+            Check(
+                "redis",
+                False,
+                f"{shown} unreachable ({type(exc).__name__}: {exc or 'timeout'}): start Redis or fix "
+                "`fleet.url` / --redis",
+            ),
+            Check("snapshots", False, "cannot read them without Redis"),
+        ]
+    finally:
+        await client.aclose()
+    out = [Check("redis", True, f"{shown}: PONG, prefix {settings.prefix}")]
+    out.extend(_snapshot_checks(states, rejected, config, settings))
+    return out
+
+
+async def _read_snapshots(
+    client: Any, settings: RedisSettings, config: ServiceConfig
+) -> tuple[list[InstanceState], list[str]]:
+    """Every snapshot key of the pool, decoded without a clock check (freshness is judged after)."""
+    keys = [k async for k in client.scan_iter(match=f"{settings.prefix}:snap:*", count=500)]
+    values = await client.mget(keys) if keys else []
+    known = frozenset(config.pool.cluster_names())
+    states: list[InstanceState] = []
+    rejected: list[str] = []
+    for key, value in zip(keys, values, strict=True):
+        if not isinstance(value, bytes):
+            continue
+        try:
+            states.append(decode(value, known))
+        except SnapshotRejected as exc:
+            rejected.append(f"{key.decode(errors='replace')}: {exc}")
+    return states, rejected
+
+
+def _snapshot_checks(
+    states: list[InstanceState], rejected: list[str], config: ServiceConfig, settings: RedisSettings
+) -> list[Check]:
+    """Per pool cluster (per endpoint in endpoint-picker mode): a fresh READY snapshot, as the service
+    needs to route on live load; stale or missing ones fall back to the static pool."""
+    now = time.time()
+    out: list[Check] = []
+    by_cluster: dict[str, list[InstanceState]] = {}
+    for s in states:
+        by_cluster.setdefault(s.cluster, []).append(s)
+    publish = (
+        f"is `llm-extproc publish` running against this Redis with pool {settings.pool!r}, and is it "
+        "scraping this upstream?"
+    )
+    for spec in config.pool.clusters:
+        found = by_cluster.get(spec.name, [])
+        wanted = [f"{spec.name}/{e}" for e in spec.endpoints] if spec.endpoints else []
+        name = f"snapshots {spec.name}"
+        if not found:
+            out.append(Check(name, False, f"no snapshot in Redis: {publish}"))
+            continue
+        problems, good = [], []
+        for s in sorted(found, key=lambda s: s.upstream_id):
+            age = now - s.published_at
+            if not s.fresh(now):
+                problems.append(
+                    f"{s.upstream_id} stale ({age:.0f} s old, ttl {s.expires_at - s.published_at:g} s): the "
+                    f"publisher {s.publisher_id or '?'} stopped writing it or cannot reach Redis"
+                )
+            elif not s.ready:
+                state = spb.Readiness.Name(s.readiness)
+                problems.append(f"{s.upstream_id} {state} (the engine's health or metrics say not ready)")
+            else:
+                good.append(f"{s.upstream_id} READY {age:.1f} s old")
+        seen = {s.upstream_id for s in found}
+        problems += [f"{uid}: no snapshot ({publish})" for uid in wanted if uid not in seen]
+        if problems:
+            out.append(Check(name, False, "; ".join(problems)))
+        else:
+            out.append(Check(name, True, ", ".join(good)))
+    if rejected:
+        out.append(
+            Check("snapshots valid", False, f"{len(rejected)} rejected as the service would: {rejected[:3]}")
+        )
+    return out
+
+
+def report(checks: list[Check]) -> tuple[str, int]:
+    """The printed lines and the exit status (1 when any check failed)."""
+    failed = sum(1 for c in checks if c.ok is False)
+    lines = [c.line() for c in checks]
+    lines.append(f"{failed} check(s) failed" if failed else "all checks passed")
+    return "\n".join(lines), 1 if failed else 0

@@ -1,0 +1,470 @@
+"""Admission: priority classes, a saturation signal per model, and a bounded fair queue.
+
+Each request has a class from its priority (`x-llm-priority`, or the route's metadata, which can fix
+or cap it): critical (> 0), standard (0, the default), sheddable (< 0). A model is *saturated* when
+none of its candidates has headroom, in the engines' own units (see `Admission.room`): per unit of
+capacity weight, fewer than `max_waiting_per_weight` requests waiting at the engine (its last
+snapshot's count plus what was sent since), fewer than `max_inflight_per_weight` requests this
+process has in flight there (the only signal without snapshots) and, when `max_predicted_wait_s` is
+set, a predicted prefill queue below it (the default profile's `predicted-ttft` model: engines admit
+requests into their running batch at once and prefill them in chunks, so their waiting count misses
+most of a prefill backlog). Then:
+
+- sheddable: 429 `saturated` with Retry-After, at once;
+- standard: waits in the model's queue, round robin across tenants (user, else session), and is
+  admitted as capacity frees (a routed request finishing, `RequestLifecycle.finish`); 429
+  `queue_timeout` after `max_wait_s`, 429 `queue_full` when `max_queued` wait already;
+- critical: admitted, over the threshold if need be (never queued, never shed here).
+
+A queued request never overtakes: while a model's queue is not empty, standard arrivals queue behind
+it and sheddable ones are shed. The queue is event-loop safe (asyncio futures, no thread waits) and a
+waiter whose client goes away (its stream is cancelled) leaves it. The same object serves the
+discrete-event mode, which drives it with virtual-time callbacks instead of futures (`enqueue`,
+`expire`, `started`, `abandon`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+
+from extproc.fleet import Upstream
+from extproc.openai import InferenceRequest, RequestError
+from extproc.openai.errors import shed
+from extproc.openai.parse import PRIORITY_NAMES, parse_ttft_slo
+from extproc.scheduling import FleetState
+from extproc.settings import (
+    MAX_PRIORITY_METADATA_KEY,
+    PRIORITY_METADATA_KEY,
+    TTFT_SLO_METADATA_KEY,
+    AdmissionSettings,
+)
+from extproc.telemetry import Metrics
+
+log = logging.getLogger("extproc.admission")
+
+
+class PriorityClass(StrEnum):
+    CRITICAL = "critical"
+    STANDARD = "standard"
+    SHEDDABLE = "sheddable"
+
+
+def priority_class(priority: int) -> PriorityClass:
+    if priority > 0:
+        return PriorityClass.CRITICAL
+    if priority < 0:
+        return PriorityClass.SHEDDABLE
+    return PriorityClass.STANDARD
+
+
+@dataclass(slots=True, frozen=True)
+class RouteAdmission:
+    """What a route's metadata says about admission (settings: PRIORITY_METADATA_KEY and friends).
+
+    `fixed`: the route's class, whatever the client sends; `cap`: the highest class its clients may
+    ask for (a client's lower class is kept); `ttft_slo_ms`: the objective for requests whose client
+    set none."""
+
+    fixed: int | None = None
+    cap: int | None = None
+    ttft_slo_ms: float | None = None
+
+    def apply(self, request: InferenceRequest) -> None:
+        if self.fixed is not None:
+            request.priority = self.fixed
+        elif self.cap is not None and request.priority > self.cap:
+            request.priority = self.cap
+        if request.ttft_slo_ms is None and self.ttft_slo_ms is not None:
+            request.ttft_slo_ms = self.ttft_slo_ms
+
+
+NO_ROUTE = RouteAdmission()
+_ROUTE_KEYS = frozenset({PRIORITY_METADATA_KEY, MAX_PRIORITY_METADATA_KEY, TTFT_SLO_METADATA_KEY})
+_warned: set[str] = set()
+
+
+def route_priority(value: str) -> int | None:
+    """A metadata priority value (class name or integer), or None when it is neither."""
+    text = value.strip().lower()
+    if text in PRIORITY_NAMES:
+        return PRIORITY_NAMES[text]
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def route_admission(metadata: Iterable[tuple[str, str | bytes]]) -> RouteAdmission:
+    """The route's admission settings from its gRPC initial metadata (ExtProcPerRoute
+    grpc_initial_metadata in envoy.yaml). A malformed value is logged once and ignored: a typo in
+    envoy.yaml must not fail requests."""
+    found: dict[str, str] = {}
+    for key, value in metadata:
+        if key in _ROUTE_KEYS:
+            found[key] = value if isinstance(value, str) else value.decode("utf-8", "replace")
+    if not found:
+        return NO_ROUTE
+    fixed = cap = None
+    slo: float | None = None
+    if PRIORITY_METADATA_KEY in found:
+        fixed = route_priority(found[PRIORITY_METADATA_KEY])
+        if fixed is None:
+            _warn(PRIORITY_METADATA_KEY, found[PRIORITY_METADATA_KEY])
+    if MAX_PRIORITY_METADATA_KEY in found:
+        cap = route_priority(found[MAX_PRIORITY_METADATA_KEY])
+        if cap is None:
+            _warn(MAX_PRIORITY_METADATA_KEY, found[MAX_PRIORITY_METADATA_KEY])
+    if TTFT_SLO_METADATA_KEY in found:
+        try:
+            slo = parse_ttft_slo(found[TTFT_SLO_METADATA_KEY], TTFT_SLO_METADATA_KEY)
+        except RequestError:
+            _warn(TTFT_SLO_METADATA_KEY, found[TTFT_SLO_METADATA_KEY])
+    return RouteAdmission(fixed=fixed, cap=cap, ttft_slo_ms=slo)
+
+
+def _warn(key: str, value: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("route metadata %s=%r is not valid; ignored", key, value[:64])
+
+
+class Verdict(Enum):
+    ADMIT = "admit"
+    QUEUE = "queue"
+
+
+class WaiterState(Enum):
+    QUEUED = "queued"
+    GRANTED = "granted"
+    DONE = "done"
+
+
+Backlog = Callable[[Upstream], tuple[float, float]]
+"""(seconds of prefill queued at an upstream, mean prefill seconds per request): predicted-ttft's."""
+Notify = Callable[[RequestError | None], None]
+"""Told once: None when the waiter is granted capacity, else the error that ends it (timeout)."""
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """One queued request."""
+
+    model: str
+    tenant: str
+    klass: PriorityClass
+    since: float
+    notify: Notify
+    state: WaiterState = WaiterState.QUEUED
+
+
+@dataclass(slots=True)
+class FairQueue:
+    """Waiters of one model: FIFO per tenant, round robin across tenants (a tenant with many queued
+    requests gets one turn per round, like everyone else). Removal of any waiter is supported."""
+
+    tenants: dict[str, deque[Waiter]] = field(default_factory=dict)
+    size: int = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, waiter: Waiter) -> None:
+        q = self.tenants.get(waiter.tenant)
+        if q is None:
+            q = self.tenants[waiter.tenant] = deque()
+        q.append(waiter)
+        self.size += 1
+
+    def pop(self) -> Waiter | None:
+        """The next tenant's oldest waiter; that tenant moves to the back of the round."""
+        if not self.tenants:
+            return None
+        tenant = next(iter(self.tenants))
+        q = self.tenants.pop(tenant)
+        waiter = q.popleft()
+        if q:
+            self.tenants[tenant] = q  # re-inserted: last in the round
+        self.size -= 1
+        return waiter
+
+    def remove(self, waiter: Waiter) -> bool:
+        q = self.tenants.get(waiter.tenant)
+        if q is None:
+            return False
+        try:
+            q.remove(waiter)
+        except ValueError:
+            return False
+        if not q:
+            del self.tenants[waiter.tenant]
+        self.size -= 1
+        return True
+
+
+class Admission:
+    """Admission control for one service process (see the module docstring).
+
+    `candidates(model)` gives who may serve a model (the lifecycle's own lookup); `state` is the
+    scheduling state plugins read. Metrics are optional (the unit tests run without)."""
+
+    __slots__ = (
+        "_candidates",
+        "_granted",
+        "_queued",
+        "_queues",
+        "backlog",
+        "clock",
+        "metrics",
+        "settings",
+        "state",
+    )
+
+    def __init__(
+        self,
+        settings: AdmissionSettings,
+        candidates: Callable[[str], Sequence[Upstream]],
+        state: FleetState,
+        metrics: Metrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        backlog: Backlog | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backlog = backlog
+        self._candidates = candidates
+        self.state = state
+        self.metrics = metrics
+        self.clock = clock
+        self._queues: dict[str, FairQueue] = {}
+        self._granted: dict[str, int] = {}  # woken waiters not yet scheduled, per model
+        self._queued = 0
+
+    # -- the signal ------------------------------------------------------------------------------
+    def room(self, model: str) -> float:
+        """Headroom of the model's candidates, in requests, less what was granted and not yet
+        scheduled: > 0 admits; <= 0 is saturation."""
+        try:
+            candidates = self._candidates(model)
+        except RequestError:
+            return 0.0
+        total = 0.0
+        for u in candidates:
+            free = self.headroom(u)
+            if free > 0:
+                total += free
+        return total - self._granted.get(model, 0)
+
+    def headroom(self, u: Upstream) -> float:
+        """Requests `u` can still take before it counts as saturated (<= 0: none)."""
+        s = self.settings
+        state = self.state
+        w = u.weight
+        free = s.max_inflight_per_weight * w - state.count(u.id)
+        load = state.load(u.id)
+        if load is not None:
+            waiting = load.num_waiting + state.pending(u.id)
+            free = min(free, s.max_waiting_per_weight * w - waiting)
+            if s.max_kv_usage is not None and load.kv_cache_usage >= s.max_kv_usage:
+                return 0.0
+        if s.max_predicted_wait_s is not None and self.backlog is not None:
+            wait, per_request = self.backlog(u)
+            left = s.max_predicted_wait_s - wait
+            if left <= 0:
+                return 0.0
+            if per_request > 0:
+                free = min(free, left / per_request)
+        return free
+
+    def placeable(self, request: InferenceRequest, candidates: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
+        """Where an admitted request may go: standard and sheddable requests only to candidates with
+        headroom (admission counted the model's total headroom; scheduling must not then pile onto a
+        saturated favourite), critical ones anywhere. All of them when none has headroom."""
+        if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
+            return candidates
+        kept = tuple(u for u in candidates if self.headroom(u) > 0)
+        return kept if kept else candidates
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def queue_length(self, model: str) -> int:
+        q = self._queues.get(model)
+        return len(q) if q is not None else 0
+
+    # -- decide ----------------------------------------------------------------------------------
+    def decide(self, request: InferenceRequest) -> Verdict:
+        """ADMIT or QUEUE; raises the 429 of a request shed now. Only model requests are subject
+        to admission (others are answered or routed as before)."""
+        model = request.model
+        klass = priority_class(request.priority)
+        if not self.settings.enabled or model is None:
+            return Verdict.ADMIT
+        if not self._candidates(model):  # 404 (raised here) or 503 (scheduling's): not saturation
+            return Verdict.ADMIT
+        ahead = self.queue_length(model)
+        if ahead:
+            self.dispatch(model)  # a snapshot may have freed room since the last finish
+            ahead = self.queue_length(model)
+        free = not ahead and self.room(model) > 0
+        if free:
+            self._count(klass, "admitted", "free")
+            return Verdict.ADMIT
+        if klass is PriorityClass.CRITICAL:
+            self._count(klass, "admitted", "critical")
+            return Verdict.ADMIT
+        if klass is PriorityClass.SHEDDABLE:
+            raise self._shed(klass, "saturated", "All upstreams for this model are saturated.")
+        return Verdict.QUEUE
+
+    def admit_now(self, request: InferenceRequest) -> None:
+        """For callers that cannot wait (RequestLifecycle.route): a request that would queue is shed."""
+        if self.decide(request) is Verdict.QUEUE:
+            klass = priority_class(request.priority)
+            raise self._shed(klass, "saturated", "All upstreams for this model are saturated.")
+
+    def enqueue(self, request: InferenceRequest, notify: Notify) -> Waiter:
+        """Queue a request `decide` answered QUEUE for; raises 429 `queue_full` at the bound."""
+        klass = priority_class(request.priority)
+        if self._queued >= self.settings.max_queued:
+            raise self._shed(klass, "queue_full", "The admission queue is full.")
+        model = request.model or ""
+        tenant = request.user or request.session or ""
+        waiter = Waiter(model, tenant, klass, self.clock(), notify)
+        q = self._queues.get(model)
+        if q is None:
+            q = self._queues[model] = FairQueue()
+        q.push(waiter)
+        self._queued += 1
+        self._count(klass, "queued", "saturated")
+        self._gauge()
+        return waiter
+
+    def dispatch(self, model: str | None) -> int:
+        """Grant capacity to queued waiters of `model` while it has room (a lease was released, or
+        a snapshot may have changed the signal); returns how many were woken."""
+        if model is None:
+            return 0
+        q = self._queues.get(model)
+        woken = 0
+        while q and self.room(model) > 0:
+            waiter = q.pop()
+            if waiter is None:
+                break
+            self._queued -= 1
+            waiter.state = WaiterState.GRANTED
+            self._granted[model] = self._granted.get(model, 0) + 1
+            woken += 1
+            waiter.notify(None)
+        if q is not None and not q:
+            del self._queues[model]
+        if woken:
+            self._gauge()
+        return woken
+
+    def dispatch_all(self) -> int:
+        return sum(self.dispatch(model) for model in list(self._queues))
+
+    def started(self, waiter: Waiter) -> None:
+        """A granted waiter goes on to schedule (call right before it; no await in between)."""
+        if waiter.state is WaiterState.GRANTED:
+            self._ungrant(waiter.model)
+            waiter.state = WaiterState.DONE
+            self._count(waiter.klass, "admitted", "dequeued")
+            self._wait(waiter, "admitted")
+
+    def expire(self, waiter: Waiter) -> bool:
+        """`max_wait_s` has passed: a still-queued waiter leaves with 429 `queue_timeout`."""
+        if waiter.state is not WaiterState.QUEUED or not self._remove(waiter):
+            return False
+        err = self._shed(
+            waiter.klass,
+            "queue_timeout",
+            f"The fleet stayed saturated for {self.settings.max_wait_s:g} s while this request waited.",
+        )
+        self._wait(waiter, "timeout")
+        waiter.notify(err)
+        return True
+
+    def abandon(self, waiter: Waiter) -> None:
+        """The client went away: leave the queue, or hand a grant not yet used to the next waiter."""
+        if waiter.state is WaiterState.QUEUED:
+            if self._remove(waiter):
+                self._count(waiter.klass, "abandoned", "client_gone")
+                self._wait(waiter, "abandoned")
+        elif waiter.state is WaiterState.GRANTED:
+            waiter.state = WaiterState.DONE
+            self._ungrant(waiter.model)
+            self._count(waiter.klass, "abandoned", "client_gone")
+            self.dispatch(waiter.model)
+        waiter.state = WaiterState.DONE
+
+    # -- the event-loop path ---------------------------------------------------------------------
+    async def admit(self, request: InferenceRequest) -> None:
+        """Return when the request may be scheduled; raise its 429 when it is shed. Waiting holds no
+        thread: a future resolved by `dispatch` (or failed by the timer)."""
+        if self.decide(request) is Verdict.ADMIT:
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def notify(err: RequestError | None) -> None:
+            if not fut.done():
+                if err is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(err)
+
+        waiter = self.enqueue(request, notify)
+        timer = loop.call_later(self.settings.max_wait_s, self.expire, waiter)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.abandon(waiter)
+            raise
+        finally:
+            timer.cancel()
+        self.started(waiter)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _remove(self, waiter: Waiter) -> bool:
+        q = self._queues.get(waiter.model)
+        if q is None or not q.remove(waiter):
+            return False
+        if not q:
+            del self._queues[waiter.model]
+        self._queued -= 1
+        waiter.state = WaiterState.DONE
+        self._gauge()
+        return True
+
+    def _ungrant(self, model: str) -> None:
+        left = self._granted.get(model, 0) - 1
+        if left > 0:
+            self._granted[model] = left
+        else:
+            self._granted.pop(model, None)
+
+    def _shed(self, klass: PriorityClass, reason: str, message: str) -> RequestError:
+        self._count(klass, "shed", reason)
+        return shed(reason, message, self.settings.retry_after_s)
+
+    def _count(self, klass: PriorityClass, decision: str, reason: str) -> None:
+        m = self.metrics
+        if m is not None:
+            m.admission.labels(priority=klass.value, decision=decision, reason=reason).inc()
+
+    def _gauge(self) -> None:
+        m = self.metrics
+        if m is not None:
+            m.admission_queue.set(self._queued)
+
+    def _wait(self, waiter: Waiter, outcome: str) -> None:
+        m = self.metrics
+        if m is not None:
+            m.admission_wait.labels(outcome=outcome).observe(max(0.0, self.clock() - waiter.since))

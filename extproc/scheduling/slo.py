@@ -1,0 +1,60 @@
+"""`slo-ttft`: keep the candidates predicted to meet the request's time-to-first-token objective.
+
+A request opts in with an objective (`x-llm-ttft-slo-ms`, or the route's metadata); without one this
+filter passes everything through. With one, it asks the profile's `predicted-ttft` scorer for this
+request's own predicted TTFT on every candidate (the same prediction that scores them: no second
+model) and keeps those within the objective. When none is, the request is shed at once with 429
+`slo_unattainable` (and Retry-After): a request that asked for a first token within 300 ms is better
+told now than served in 3 s. The predictions are only as good as `prefill_tokens_per_s`: set it to
+the GPUs' real prefill rate (docs/tuning.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from extproc.fleet import Upstream
+from extproc.openai import InferenceRequest
+from extproc.openai.errors import slo_unattainable
+from extproc.scheduling.framework import FILTERS, FleetState, Profile
+from extproc.scheduling.predicted_ttft import PredictedTtftScorer
+from extproc.settings import ConfigError
+
+
+@FILTERS.register("slo-ttft")
+@dataclass(slots=True)
+class SloTtftFilter:
+    # Keep candidates whose prediction is within objective x this (below 1: a safety margin).
+    margin: float = 1.0
+    retry_after_s: int = 1
+    _predictor: PredictedTtftScorer | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if not self.margin > 0:
+            raise ValueError("'margin' must be positive")
+        if self.retry_after_s < 1:
+            raise ValueError("'retry_after_s' must be >= 1")
+
+    def bind_profile(self, profile: Profile) -> None:
+        for scorer, _ in profile.scorers:
+            if isinstance(scorer, PredictedTtftScorer):
+                self._predictor = scorer
+                return
+        raise ConfigError(
+            f"profile '{profile.name}': filter 'slo-ttft' needs the 'predicted-ttft' scorer "
+            "in the same profile"
+        )
+
+    def filter(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> Sequence[Upstream]:
+        slo_ms = request.ttft_slo_ms
+        if slo_ms is None or not candidates or self._predictor is None:
+            return candidates
+        predicted = self._predictor.predict_ttft(request, candidates, state)
+        limit = slo_ms / 1000.0 * self.margin
+        kept = [u for u, p in zip(candidates, predicted, strict=True) if p <= limit]
+        if not kept:
+            raise slo_unattainable(slo_ms, min(predicted) * 1000.0, self.retry_after_s)
+        return kept

@@ -1,0 +1,437 @@
+"""Admission control without Envoy: priority classes, the saturation signal (with and without
+snapshots), the fair queue, timeouts, cancellation, and the slo-ttft filter, through the real
+RequestLifecycle (real pool, in-flight accounting, fleet view and metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from builders import NOW, instance_state
+
+from extproc.config import config_from_dict
+from extproc.fleet import FleetView
+from extproc.lifecycle import Decision, RequestLifecycle
+from extproc.lifecycle.admission import (
+    NO_ROUTE,
+    FairQueue,
+    PriorityClass,
+    RouteAdmission,
+    Waiter,
+    priority_class,
+    route_admission,
+)
+from extproc.openai import RequestError
+from extproc.openai.parse import parse_head
+from extproc.settings import ConfigError, admission_settings
+from extproc.telemetry import Metrics
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+def lifecycle(admission: dict[str, Any] | None = None, view: bool = False, **extra: Any) -> RequestLifecycle:
+    raw: dict[str, Any] = {
+        "pool": {"clusters": [{"name": "a", "models": ["m"]}, {"name": "b", "models": ["m"]}]},
+        "metrics_listen": None,
+        "scheduling": {"profiles": {"default": {"scorers": ["least-outstanding"]}}},
+        **extra,
+    }
+    if admission is not None:
+        raw["admission"] = admission
+    cfg = config_from_dict(raw)
+    fleet = FleetView(cfg.pool, clock=lambda: NOW) if view else None
+    return RequestLifecycle(cfg, Metrics(["m"], ["a", "b"]), fleet)
+
+
+def head(priority: str | None = None, user: str | None = None, slo: str | None = None) -> Any:
+    headers = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
+    if priority is not None:
+        headers["x-llm-priority"] = priority
+    if user is not None:
+        headers["x-user-id"] = user
+    if slo is not None:
+        headers["x-llm-ttft-slo-ms"] = slo
+    return parse_head(
+        headers,
+        session_header="x-session-id",
+        user_header="x-user-id",
+        priority_header="x-llm-priority",
+        ttft_slo_header="x-llm-ttft-slo-ms",
+    )
+
+
+BODY = orjson.dumps(CHAT)
+
+
+def count(lc: RequestLifecycle, klass: str, decision: str, reason: str) -> float:
+    value = lc.metrics.registry.get_sample_value(
+        "llm_extproc_admission_total", {"priority": klass, "decision": decision, "reason": reason}
+    )
+    return value or 0.0
+
+
+async def route(lc: RequestLifecycle, priority: str | None = None, **kw: Any) -> Decision:
+    return await lc.route_async(head(priority, **kw), BODY)
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+# -- classes and route settings ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("value", "klass"),
+    [
+        (5, PriorityClass.CRITICAL),
+        (1, PriorityClass.CRITICAL),
+        (0, PriorityClass.STANDARD),
+        (-1, PriorityClass.SHEDDABLE),
+    ],
+)
+def test_priority_class(value: int, klass: PriorityClass) -> None:
+    assert priority_class(value) is klass
+
+
+@pytest.mark.parametrize(("raw", "value"), [("critical", 1), ("Sheddable", -1), ("standard", 0), ("-3", -3)])
+def test_priority_header_accepts_class_names(raw: str, value: int) -> None:
+    assert head(raw).priority == value
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "abc", "nan", "inf"])
+def test_bad_slo_header_is_400(raw: str) -> None:
+    with pytest.raises(RequestError) as info:
+        head(slo=raw)
+    assert (info.value.status, info.value.param) == (400, "x-llm-ttft-slo-ms")
+
+
+def test_route_metadata_fixes_caps_and_defaults() -> None:
+    fixed = route_admission([("x-llm-priority", b"sheddable"), ("x-llm-profile", "p")])
+    capped = route_admission([("x-llm-max-priority", "standard"), ("x-llm-ttft-slo-ms", "800")])
+    assert fixed == RouteAdmission(fixed=-1)
+    assert capped == RouteAdmission(cap=0, ttft_slo_ms=800.0)
+    assert route_admission([("x-llm-profile", "p")]) is NO_ROUTE
+    assert route_admission([("x-llm-priority", "urgent!"), ("x-llm-ttft-slo-ms", "-1")]) == RouteAdmission()
+
+    lc = lifecycle()
+    req = lc.prepare(head("critical"), BODY, fixed)
+    assert req.priority == -1  # the client cannot raise a fixed class
+    req = lc.prepare(head("critical", slo="100"), BODY, capped)
+    assert (req.priority, req.ttft_slo_ms) == (0, 100.0)  # capped; the client's own objective wins
+    req = lc.prepare(head("sheddable"), BODY, capped)
+    assert (req.priority, req.ttft_slo_ms) == (-1, 800.0)  # a lower class is kept; route's objective
+
+
+# -- the fair queue ----------------------------------------------------------------------------------
+def waiter(tenant: str, n: int) -> Waiter:
+    return Waiter("m", tenant, PriorityClass.STANDARD, float(n), lambda err: None)
+
+
+def test_fair_queue_round_robin_across_tenants() -> None:
+    q = FairQueue()
+    items = [waiter("a", 1), waiter("a", 2), waiter("a", 3), waiter("b", 4), waiter("c", 5), waiter("c", 6)]
+    for w in items:
+        q.push(w)
+    order = []
+    while (w := q.pop()) is not None:
+        order.append((w.tenant, int(w.since)))
+    assert order == [("a", 1), ("b", 4), ("c", 5), ("a", 2), ("c", 6), ("a", 3)]
+    assert len(q) == 0
+
+
+def test_fair_queue_remove() -> None:
+    q = FairQueue()
+    a, b, c = waiter("a", 1), waiter("b", 2), waiter("a", 3)
+    for w in (a, b, c):
+        q.push(w)
+    assert q.remove(b) and not q.remove(b)
+    assert len(q) == 2 and "b" not in q.tenants
+    assert [q.pop(), q.pop(), q.pop()] == [a, c, None]
+
+
+# -- admission through the lifecycle (own in-flight counts: no snapshots) ----------------------------
+async def test_saturation_sheds_sheddable_queues_standard_admits_critical() -> None:
+    lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 5})
+    first, second = await route(lc), await route(lc)  # one per cluster: now saturated
+    with pytest.raises(RequestError) as info:
+        await route(lc, "sheddable")
+    err = info.value
+    assert (err.status, err.code, err.retry_after) == (429, "saturated", 1)
+    assert orjson.loads(err.body())["error"]["type"] == "rate_limit_error"
+
+    queued = asyncio.create_task(route(lc, "standard"))
+    await settle()
+    assert not queued.done() and lc.admission.queued == 1
+    critical = await route(lc, "critical")  # over the threshold, ahead of the queue
+    with pytest.raises(RequestError):
+        await route(lc, "sheddable")  # still shed while someone waits
+
+    lc.finish(critical, "response_end")  # frees room only back to the cap (2 in flight): no grant
+    await settle()
+    assert not queued.done()
+    lc.finish(first, "response_end")
+    decision = await asyncio.wait_for(queued, 1)
+    assert decision.upstream.cluster == first.upstream.cluster
+    assert lc.admission.queued == 0
+    assert count(lc, "standard", "queued", "saturated") == 1
+    assert count(lc, "standard", "admitted", "dequeued") == 1
+    assert count(lc, "critical", "admitted", "critical") == 1
+    assert count(lc, "sheddable", "shed", "saturated") == 2
+    assert (
+        lc.metrics.registry.get_sample_value(
+            "llm_extproc_admission_queue_wait_seconds_count", {"outcome": "admitted"}
+        )
+        == 1
+    )
+    lc.finish(second, "response_end")
+    lc.finish(decision, "response_end")
+
+
+async def test_queue_is_fair_across_tenants() -> None:
+    lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 5})
+    held = [await route(lc), await route(lc)]
+    order: list[str] = []
+
+    async def one(user: str) -> Decision:
+        d = await route(lc, user=user)
+        order.append(user)
+        return d
+
+    tasks = []
+    for user in ("alice", "alice", "alice", "bob"):  # alice floods first, bob arrives last
+        tasks.append(asyncio.create_task(one(user)))
+        await settle()
+    assert lc.admission.queued == 4
+    for _ in range(4):
+        lc.finish(held.pop(0), "response_end")
+        await settle()
+        held.extend(t.result() for t in tasks if t.done() and t.result() not in held)
+    assert order == ["alice", "bob", "alice", "alice"]
+
+
+async def test_queue_timeout_is_429_and_bounded_queue() -> None:
+    lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 0.05, "max_queued": 1, "retry_after_s": 3})
+    await route(lc)
+    await route(lc)
+    waiting = asyncio.create_task(route(lc))
+    await settle()
+    with pytest.raises(RequestError) as full:
+        await route(lc)
+    assert (full.value.status, full.value.code, full.value.retry_after) == (429, "queue_full", 3)
+    with pytest.raises(RequestError) as late:
+        await waiting
+    assert (late.value.status, late.value.code) == (429, "queue_timeout")
+    assert lc.admission.queued == 0
+    assert count(lc, "standard", "shed", "queue_timeout") == 1
+    assert count(lc, "standard", "shed", "queue_full") == 1
+
+
+async def test_client_gone_while_queued_leaves_the_queue() -> None:
+    lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 5})
+    first = await route(lc)
+    await route(lc)
+    gone = asyncio.create_task(route(lc, user="gone"))
+    await settle()
+    stays = asyncio.create_task(route(lc, user="stays"))
+    await settle()
+    gone.cancel()
+    await settle()
+    assert gone.cancelled() and lc.admission.queued == 1
+    assert count(lc, "standard", "abandoned", "client_gone") == 1
+    lc.finish(first, "response_end")
+    assert (await asyncio.wait_for(stays, 1)).request.user == "stays"
+
+
+async def test_a_grant_whose_client_left_passes_to_the_next() -> None:
+    lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 5})
+    first = await route(lc)
+    await route(lc)
+    a = asyncio.create_task(route(lc, user="a"))
+    await settle()
+    b = asyncio.create_task(route(lc, user="b"))
+    await settle()
+    lc.finish(first, "response_end")  # grants a; a's client goes away before it runs
+    a.cancel()
+    await settle()
+    assert a.cancelled()
+    assert (await asyncio.wait_for(b, 1)).request.user == "b"
+    assert lc.admission.queued == 0
+
+
+def test_sync_route_cannot_wait_so_refuses() -> None:
+    lc = lifecycle({"max_inflight_per_weight": 1})
+    lc.route(head(), BODY)
+    lc.route(head(), BODY)
+    with pytest.raises(RequestError) as info:
+        lc.route(head(), BODY)
+    assert (info.value.status, info.value.code) == (429, "saturated")
+    lc.route(head("critical"), BODY)
+
+
+async def test_disabled_admits_everything() -> None:
+    lc = lifecycle({"enabled": False, "max_inflight_per_weight": 1})
+    for _ in range(4):
+        await route(lc, "sheddable")
+
+
+# -- the signal from snapshots ---------------------------------------------------------------------
+_sequence = iter(range(1, 1_000_000))
+
+
+def publish(lc: RequestLifecycle, waiting: int, kv: float = 0.0) -> None:
+    assert lc.view is not None
+    seq = next(_sequence)
+    for cluster in ("a", "b"):
+        state = instance_state(
+            f"{cluster}/x", cluster, None, num_waiting=waiting, kv_cache_usage=kv, sequence=seq
+        )
+        assert lc.view.apply(state)
+    lc.view.rebuild()
+
+
+async def test_snapshot_queue_depth_is_the_signal() -> None:
+    lc = lifecycle({"max_waiting_per_weight": 8, "max_kv_usage": 0.95}, view=True)
+    publish(lc, waiting=8)  # every engine reports 8 waiting per unit weight
+    with pytest.raises(RequestError):
+        await route(lc, "sheddable")
+    publish(lc, waiting=3)
+    decisions = [await route(lc, "sheddable") for _ in range(10)]  # 5 of headroom each
+    with pytest.raises(RequestError):
+        await route(lc, "sheddable")  # what was sent since the snapshot counts as queued
+    for d in decisions:
+        lc.finish(d, "response_end")
+    publish(lc, waiting=0, kv=0.97)  # empty queues, but KV cache full
+    with pytest.raises(RequestError):
+        await route(lc, "sheddable")
+
+
+# -- slo-ttft ----------------------------------------------------------------------------------------
+def slo_lifecycle() -> RequestLifecycle:
+    return lifecycle(
+        scheduling={
+            "profiles": {
+                "default": {
+                    "filters": ["slo-ttft"],
+                    "scorers": [{"name": "predicted-ttft", "params": {"prefill_tokens_per_s": 1000}}],
+                }
+            }
+        }
+    )
+
+
+async def test_slo_ttft_sheds_only_requests_that_opted_in() -> None:
+    lc = slo_lifecycle()
+    long_prompt = dict(CHAT, messages=[{"role": "user", "content": "word " * 4000}])  # ~5k tokens: ~5 s
+    body = orjson.dumps(long_prompt)
+    with pytest.raises(RequestError) as info:
+        await lc.route_async(head(slo="500"), body)
+    err = info.value
+    assert (err.status, err.code, err.retry_after) == (429, "slo_unattainable", 1)
+    assert "500 ms" in err.message
+    assert count(lc, "standard", "shed", "slo_unattainable") == 1
+    assert await lc.route_async(head(slo="60000"), body)  # a reachable objective: routed
+    assert await lc.route_async(head(), body)  # no objective: never shed for it
+    assert await lc.route_async(head(slo="500"), BODY)  # a short prompt meets 500 ms
+
+
+async def test_slo_ttft_keeps_only_candidates_that_meet_it() -> None:
+    lc = slo_lifecycle()
+    long_prompt = orjson.dumps(dict(CHAT, messages=[{"role": "user", "content": "word " * 1500}]))
+    busy = await lc.route_async(head(), long_prompt)  # ~2 s of prefill queued on one cluster
+    for _ in range(5):
+        d = await lc.route_async(head(slo="1000"), BODY)
+        assert d.upstream.cluster != busy.upstream.cluster
+        lc.finish(d, "response_end")
+
+
+def test_slo_ttft_needs_predicted_ttft() -> None:
+    with pytest.raises(ConfigError, match="predicted-ttft"):
+        lifecycle(scheduling={"profiles": {"default": {"filters": ["slo-ttft"], "scorers": ["queue-depth"]}}})
+
+
+# -- configuration -----------------------------------------------------------------------------------
+def test_admission_settings_defaults_and_errors() -> None:
+    s = admission_settings(None)
+    assert s.enabled and s.max_wait_s < 2.0  # below Envoy's 2 s ext_proc message_timeout
+    assert admission_settings({"max_kv_usage": 0.9, "max_queued": 0}).max_queued == 0
+    for bad in (
+        {"max_wait_s": 0},
+        {"max_queued": -1},
+        {"enabled": "yes"},
+        {"max_kv_usage": 1.5},
+        {"retry_after_s": 0},
+        {"max_wait": 1},
+    ):
+        with pytest.raises(ConfigError):
+            admission_settings(bad)
+
+
+async def test_predicted_prefill_queue_is_a_signal_without_snapshots() -> None:
+    lc = lifecycle(
+        {"max_predicted_wait_s": 1.0},
+        scheduling={
+            "profiles": {
+                "default": {"scorers": [{"name": "predicted-ttft", "params": {"prefill_tokens_per_s": 1000}}]}
+            }
+        },
+    )
+    for word in ("alpha ", "beta "):  # ~2 s of prefill queued on one upstream, then on the other
+        prompt = orjson.dumps(dict(CHAT, messages=[{"role": "user", "content": word * 1500}]))
+        await lc.route_async(head("sheddable"), prompt)
+    with pytest.raises(RequestError) as info:
+        await lc.route_async(head("sheddable"), BODY)
+    assert info.value.code == "saturated"
+    assert await lc.route_async(head("critical"), BODY)
+
+
+# -- the discrete-event mode drives the same Admission in virtual time -------------------------------
+def test_des_admission_sheds_sheddable_first_and_counts_queue_time() -> None:
+    from extproc.lab.bench.workloads import make_workload, with_priorities
+    from extproc.lab.discrete_event.simulation import simulate
+    from extproc.lab.engines.profiles import PROFILES
+
+    wl = with_priorities(make_workload("shared-prefix", rate=8.0, count=300, seed=1, tenants=4), seed=1)
+    assert [h["x-llm-priority"] for h in wl.headers] == [t.split("/")[0] for t in wl.tags()]
+    requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
+    profiles = [PROFILES["a10g-llama3-8b"]] * 2
+    service = {"admission": {"max_inflight_per_weight": 8, "max_wait_s": 1.5}}
+    run = simulate(requests, profiles, "llm-extproc", service=service, headers=wl.headers)
+    by_class: dict[str, list[Any]] = {}
+    for r in run.records:
+        by_class.setdefault(r.tag.split("/")[0], []).append(r)
+    shed = {k: [r for r in v if r.status == 429] for k, v in by_class.items()}
+    assert len(run.records) == 300
+    assert shed["sheddable"] and not shed["critical"]
+    first_sheddable = min(r.arrival_s for r in shed["sheddable"])  # shed on arrival
+    assert all(r.arrival_s + r.e2e_s >= first_sheddable for r in shed["standard"])  # after waiting
+    assert all(r.error == "queue_timeout" for r in shed["standard"])
+    # without admission (the default in this mode) everything is served
+    plain = simulate(requests, profiles, "llm-extproc", headers=wl.headers)
+    assert all(r.ok for r in plain.records)
+
+
+async def test_admitted_requests_go_where_there_is_headroom() -> None:
+    lc = lifecycle(
+        {"max_inflight_per_weight": 1},
+        scheduling={"profiles": {"default": {"scorers": ["session-affinity"]}}},
+    )
+
+    async def one(priority: str) -> str:
+        headers = {":method": "POST", ":path": "/v1/chat/completions", "x-session-id": "s1"}
+        headers["x-llm-priority"] = priority
+        return (await lc.route_async(lc.read_head(headers), BODY)).upstream.id
+
+    home = await one("standard")  # session affinity's favourite
+    assert await one("standard") != home  # the favourite is full: the other upstream, not a pile-up
+    assert await one("critical") == home  # critical may go over the threshold, to its favourite
+
+
+async def test_unknown_model_is_404_not_saturation() -> None:
+    lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 0.05})
+    await route(lc)
+    await route(lc)
+    with pytest.raises(RequestError) as info:
+        await lc.route_async(head(), orjson.dumps(dict(CHAT, model="nope")))
+    assert info.value.status == 404

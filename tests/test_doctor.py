@@ -1,0 +1,213 @@
+"""`llm-extproc doctor` against a real stack (Envoy + service + Redis + `llm-extproc publish` as a
+process, simulated engines), healthy and then broken in the ways an operator meets: Redis down, stale
+snapshots, a cluster missing from envoy.yaml, Envoy gone. Also checks what `publish` logs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from extproc.cli import main
+from extproc.doctor import Check, DoctorOptions, report, run_doctor
+from extproc.fleet import snapshot_pb2 as spb
+from extproc.lab.stack import ENVOY_DIR, RedisProcess
+from extproc.settings import RedisSettings
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from gateway_stack import Stack, service_config, wait_until
+
+INTERVAL = 0.3
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
+    server = RedisProcess(tmp_path / "redis.log").start()
+    yield server
+    server.stop()
+
+
+class Setup:
+    def __init__(self, stack: Stack, redis_server: RedisProcess, publisher_log: Path) -> None:
+        self.stack = stack
+        self.redis = redis_server
+        self.publisher_log = publisher_log
+        self.admin = f"http://127.0.0.1:{stack.admin_port}"
+        self.config = str(stack.service.config_path)
+
+    def doctor(self, **kw: object) -> dict[str, Check]:
+        import asyncio
+
+        opts = DoctorOptions(config=self.config, envoy_admin=self.admin, timeout_s=2.0)
+        for k, v in kw.items():
+            setattr(opts, k, v)
+        return {c.name: c for c in asyncio.run(run_doctor(opts))}
+
+    def publish_logs(self) -> list[dict]:
+        return [
+            json.loads(line) for line in self.publisher_log.read_text().splitlines() if line.startswith("{")
+        ]
+
+
+@pytest.fixture
+def setup(make_stack: Callable[..., Stack], redis_server: RedisProcess, tmp_path: Path) -> Iterator[Setup]:
+    fleet = {"url": redis_server.url, "pool": "default", "resync_interval_s": 1.0}
+    stack = make_stack(service=service_config(fleet=fleet))
+    log = tmp_path / "publish.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "extproc.cli",
+                "publish",
+                "--envoy-admin",
+                f"http://127.0.0.1:{stack.admin_port}",
+                "--redis-url",
+                redis_server.url,
+                "--pool",
+                "default",
+                "--interval",
+                str(INTERVAL),
+                "--log-format",
+                "json",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    s = Setup(stack, redis_server, log)
+    try:
+        assert wait_until(lambda: all(c.ok for c in s.doctor().values()), timeout=15), s.doctor()
+        s.proc = proc  # type: ignore[attr-defined]
+        yield s
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_healthy_stack_passes_every_check(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    checks = setup.doctor()
+    assert set(checks) == {
+        "service config",
+        "envoy admin",
+        "llm-extproc cluster",
+        "clusters agree",
+        "redis",
+        "snapshots gpu-a",
+        "snapshots gpu-b",
+    }
+    assert all(c.ok for c in checks.values())
+    assert f"127.0.0.1:{setup.stack.service_port}" in checks["llm-extproc cluster"].detail
+    assert "READY" in checks["snapshots gpu-a"].detail
+    # The command itself: one line per check, exit 0.
+    status = main(["doctor", "--config", setup.config, "--envoy-admin", setup.admin])
+    out = capsys.readouterr().out.splitlines()
+    assert status == 0
+    assert out[-1] == "all checks passed"
+    assert all(line.startswith("OK ") for line in out[:-1]) and len(out) == 8
+
+
+def test_publish_logs_what_it_found_and_state_changes(setup: Setup) -> None:
+    logs = setup.publish_logs()
+    assert all({"ts", "level", "logger", "message"} <= set(e) for e in logs)
+    start = logs[0]["message"]
+    assert "every 0.3 s" in start and "Envoy admin" in start and "llm-extproc:default" in start
+    discovery = next(e for e in logs if "envoy discovery" in e["message"])
+    assert sorted(discovery["instances"]) == sorted(
+        f"{c}/127.0.0.1:{p}" for c, p in zip(["gpu-a", "gpu-b"], setup.stack.engines.ports, strict=True)
+    )
+    changes = [e for e in logs if e.get("state")]
+    assert {(e["upstream"].split("/")[0], e["previous"], e["state"]) for e in changes} == {
+        ("gpu-a", "NEW", "READY"),
+        ("gpu-b", "NEW", "READY"),
+    }
+    # An engine that stops answering health: one WARNING line READY -> ..., with the reason.
+    engine = setup.stack.engines.engines[0]
+    engine.ready = False
+    try:
+        assert wait_until(lambda: any(e.get("previous") == "READY" for e in setup.publish_logs()))
+        # The doctor sees it too, and says which upstream is in which state.
+        check = setup.doctor()["snapshots gpu-a"]
+        assert check.ok is False and "DRAINING" in check.detail and "gpu-a/127.0.0.1:" in check.detail
+        assert setup.doctor()["snapshots gpu-b"].ok
+    finally:
+        engine.ready = True
+    down = next(e for e in setup.publish_logs() if e.get("previous") == "READY")
+    assert down["level"] == "WARNING" and down["reason"] == "health_status_503"
+    assert down["upstream"].startswith("gpu-a/")
+    # Back: READY again in the log, and the doctor passes.
+    assert wait_until(lambda: setup.doctor()["snapshots gpu-a"].ok is True)
+    assert any(e.get("previous") == "DRAINING" and e["state"] == "READY" for e in setup.publish_logs())
+
+
+def test_redis_down_fails_redis_and_snapshots(setup: Setup) -> None:
+    setup.redis.stop()
+    checks = setup.doctor()
+    assert checks["redis"].ok is False and "unreachable" in checks["redis"].detail
+    assert checks["snapshots"].ok is False
+    assert checks["envoy admin"].ok and checks["llm-extproc cluster"].ok  # the rest still checked
+    text, status = report(list(checks.values()))
+    assert status == 1 and "FAIL redis:" in text
+
+
+def test_stopped_publisher_leaves_no_or_stale_snapshots(setup: Setup) -> None:
+    setup.proc.terminate()  # type: ignore[attr-defined]
+    setup.proc.wait(10)  # type: ignore[attr-defined]
+    # Snapshots expire from Redis with their TTL (max(3 x interval, 2 s)).
+    assert wait_until(lambda: setup.doctor()["snapshots gpu-a"].ok is False, timeout=8)
+    check = setup.doctor()["snapshots gpu-a"]
+    assert "no snapshot" in check.detail and "llm-extproc publish" in check.detail
+    # A snapshot still in Redis but past its own TTL (a publisher whose clock or key TTL is off) is stale.
+    snap = spb.UpstreamSnapshot(
+        upstream_id="gpu-b/127.0.0.1:1",
+        cluster="gpu-b",
+        address="127.0.0.1:1",
+        engine="vllm",
+        readiness=spb.READY,
+        published_at_ms=int((time.time() - 60) * 1000),
+        ttl_ms=3000,
+        publisher_id="old-publisher",
+        num_running=0,
+    )
+    key = RedisSettings(pool="default").key(snap.upstream_id)
+    redis.Redis.from_url(setup.redis.url).set(key, snap.SerializeToString(), px=60_000)
+    check = setup.doctor()["snapshots gpu-b"]
+    assert check.ok is False and "stale" in check.detail and "old-publisher" in check.detail
+
+
+def test_cluster_missing_from_envoy_yaml(setup: Setup, tmp_path: Path) -> None:
+    cfg = yaml.safe_load(Path(setup.config).read_text())
+    cfg["pool"]["clusters"].append({"name": "gpu-c", "models": ["sim-llama"]})
+    bad = tmp_path / "service.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    checks = setup.doctor(config=str(bad))
+    assert checks["clusters agree"].ok is False
+    assert "not in Envoy: gpu-c" in checks["clusters agree"].detail
+    assert checks["snapshots gpu-c"].ok is False
+    # The same against the file instead of the live config: the shipped envoy.yaml lacks gpu-c too.
+    checks = setup.doctor(config=str(bad), envoy_admin=None, envoy_config=str(ENVOY_DIR / "envoy.yaml"))
+    assert checks["clusters agree"].ok is False and checks["envoy admin"].ok is None
+    # A pool that forgets a tagged Envoy cluster.
+    cfg["pool"]["clusters"] = [c for c in cfg["pool"]["clusters"] if c["name"] == "gpu-a"]
+    bad.write_text(yaml.safe_dump(cfg))
+    check = setup.doctor(config=str(bad))["clusters agree"]
+    assert check.ok is False and "not in the service YAML's pool: gpu-b" in check.detail
+
+
+def test_envoy_down_and_service_down(setup: Setup, capsys: pytest.CaptureFixture[str]) -> None:
+    setup.stack.service.kill()
+    assert wait_until(lambda: setup.doctor()["llm-extproc cluster"].ok is False, timeout=15)
+    assert "no healthy host" in setup.doctor()["llm-extproc cluster"].detail
+    setup.stack.envoy.stop()
+    checks = setup.doctor()
+    assert checks["envoy admin"].ok is False and "is Envoy running" in checks["envoy admin"].detail
+    assert main(["doctor", "--config", setup.config, "--envoy-admin", setup.admin]) == 1
+    assert "FAIL envoy admin:" in capsys.readouterr().out
