@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
     check_listen(config.listen, "--listen")
     if config.metrics_listen:
         check_listen(config.metrics_listen, "--metrics-listen")
-    _run(serve(config))
+    _run(serve(config, role=args.role))
     return 0
 
 
@@ -49,7 +49,7 @@ def _serve_workers(args: argparse.Namespace, listen: str, metrics_listen: str | 
             check_listen(offset_port(listen, i), "--listen")
         if metrics_listen:
             check_listen(offset_port(metrics_listen, i), f"--metrics-listen (worker {i}: port + {i})")
-    serve_args = [f"--log-level={args.log_level}", f"--log-format={args.log_format}"]
+    serve_args = [f"--log-level={args.log_level}", f"--log-format={args.log_format}", f"--role={args.role}"]
     for flag, value in (
         ("--config", args.config),
         ("--max-body-bytes", args.max_body_bytes),
@@ -337,6 +337,7 @@ def _big_bodies_bench(args: argparse.Namespace) -> int:
             seconds=args.seconds,
             rate=args.rate,
             service=overrides,
+            layouts=tuple(x.strip() for x in args.layouts.split(",") if x.strip()),
         )
     )
     return 0 if all(p.get("big_504", 0) == 0 for p in report["phases"]) else 1
@@ -526,6 +527,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run N service processes (one core each) under a supervisor that forwards SIGTERM and "
         "restarts a worker that dies; worker i serves metrics on the metrics port + i",
+    )
+    p.add_argument(
+        "--role",
+        choices=("main", "bulk"),
+        default="main",
+        help="bulk: the process envoy.yaml's big-body route (content-length >= 1 MiB) sends ext_proc "
+        "calls to, on the llm-extproc-bulk cluster's port (9004 in the shipped files); it runs at "
+        "bodies.worker_nice and routes like any replica (docs/tuning.md, 'Big bodies')",
     )
     p.add_argument(
         "--worker-ports",
@@ -741,6 +750,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="small requests' latency while clients send 15 MB bodies (Envoy + service + engines)",
     )
     p.add_argument("--kinds", default="text,image", help="big bodies: text (a long prompt), image (base64)")
+    p.add_argument(
+        "--layouts",
+        default="single,bulk",
+        help="single: one service process; bulk: big bodies (>= 1 MiB) to a second `serve --role bulk` "
+        "process (envoy.yaml's big-body route); each runs its own phases, in this run",
+    )
     p.add_argument("--clients", type=int, default=8, help="concurrent big-body clients")
     p.add_argument("--size-mb", type=float, default=15.0, help="big body size, MB")
     p.add_argument("--seconds", type=float, default=15.0, help="small-request probe time per phase")

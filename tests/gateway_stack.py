@@ -38,6 +38,7 @@ class Stack(LocalGateway):
         clusters: Mapping[str, list[int]] | None = None,
         envoy_edit: Callable[[dict[str, Any]], None] | None = None,
         replicas: int = 1,
+        bulk: bool = False,
     ) -> None:
         if clusters is None:
             clusters = {"gpu-a": [0], "gpu-b": [1]}
@@ -51,10 +52,12 @@ class Stack(LocalGateway):
             envoy_file=envoy_file,
             envoy_edit=envoy_edit,
             replicas=replicas,
+            bulk=bulk,
         )
 
-    def inflight(self) -> float:
-        return sum(v for k, v in self.metrics().items() if k.startswith("llm_extproc_inflight_requests{"))
+    def inflight(self, *, bulk: bool = False) -> float:
+        samples = self.metrics(bulk=bulk).items()
+        return sum(v for k, v in samples if k.startswith("llm_extproc_inflight_requests{"))
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.05) -> bool:

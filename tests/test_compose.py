@@ -111,7 +111,7 @@ def test_one_image_built_once() -> None:
     assert builders == ["envoy"]
     assert s["envoy"]["build"] == {"context": "..", "dockerfile": "compose/Dockerfile"}
     ours = [n for n, svc in s.items() if svc.get("image") == IMAGE]
-    assert sorted(ours) == sorted(["envoy", "engines", "llm-extproc", "publisher"])
+    assert sorted(ours) == sorted(["envoy", "engines", "llm-extproc", "llm-extproc-bulk", "publisher"])
     for name in ours:
         if name != "envoy":
             assert s[name]["pull_policy"] == "never", name

@@ -422,7 +422,13 @@ async def test_a_late_service_loads_the_shared_state(redis_server: RedisProcess)
         client = aioredis.from_url(redis_server.url)
         assert first.sync is not None
         key = first.sync.state_key(first.sync.replica)
-        assert await until_async(lambda: client.exists(key))
+
+        async def written_after_routing() -> bool:  # the first dump (empty) is written at start
+            blob = await client.get(key)
+            dumps = msgpack.unpackb(blob, strict_map_key=False)["p"] if blob else {}
+            return bool(dumps.get("default/0:predicted-ttft"))
+
+        assert await until_async(written_after_routing)
         await client.aclose()
         late = await start(config_from_dict(service_config(redis_server.url)))
         assert late.sync is not None

@@ -164,6 +164,10 @@ def redis_pubsub_client(settings: RedisSettings) -> aioredis.Redis:
     return aioredis.from_url(settings.url, **_client_kwargs(settings, topology))
 
 
+def is_cluster(client: RedisClient) -> bool:
+    return isinstance(client, RedisCluster)
+
+
 async def write_and_publish(
     client: RedisClient,
     messages: Sequence[tuple[str, bytes | str]],

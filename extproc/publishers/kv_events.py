@@ -43,6 +43,7 @@ from typing import Any
 import msgpack
 
 from extproc.fleet.kv_index import COMPLETE, PARTIAL, UNKNOWN, encode_delta, encode_full, kv_channel, kv_key
+from extproc.fleet.redis_feed import is_cluster, write_and_publish
 from extproc.settings import ConfigError, RedisSettings, check_keys, number
 
 log = logging.getLogger("extproc.publisher.kv_events")
@@ -589,13 +590,25 @@ class KvEventsSource:
             )
         try:
             async with asyncio.timeout(2.0):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for op, data in pipe_ops:
-                        if op == "publish":
-                            pipe.publish(kv_channel(self.redis), data)
-                        else:
-                            pipe.set(kv_key(self.redis, self.upstream_id), data, px=self.spec.full_ttl_ms)
-                    await pipe.execute()
+                if is_cluster(self.client):
+                    # A Cluster's pipelines refuse PUBLISH: SET, then PUBLISH (the full copy then
+                    # already holds this delta's seq, which the service skips as outdated).
+                    full = [data for op, data in pipe_ops if op == "set"]
+                    await write_and_publish(
+                        self.client,
+                        [(kv_channel(self.redis), data) for op, data in pipe_ops if op == "publish"],
+                        (kv_key(self.redis, self.upstream_id), full[0], self.spec.full_ttl_ms)
+                        if full
+                        else None,
+                    )
+                else:
+                    async with self.client.pipeline(transaction=False) as pipe:
+                        for op, data in pipe_ops:
+                            if op == "publish":
+                                pipe.publish(kv_channel(self.redis), data)
+                            else:
+                                pipe.set(kv_key(self.redis, self.upstream_id), data, px=self.spec.full_ttl_ms)
+                        await pipe.execute()
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -187,14 +187,25 @@ class _Probes:
         return (True, "ready") if phase == "serving" else (False, f"not ready: {phase}")
 
 
+ROLES = ("main", "bulk")
+
+
+def replica_id(role: str) -> str:
+    """A random id per process; the bulk process's starts with "bulk" (never hex), which envoy.yaml's
+    second access logger matches to report big bodies' ends to that process directly."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
+    return ("bulk" if role == "bulk" else "") + os.urandom(4).hex()
+
+
 def _completions(
-    config: ServiceConfig, lifecycle: RequestLifecycle, server: grpc.aio.Server
+    config: ServiceConfig, lifecycle: RequestLifecycle, server: grpc.aio.Server, replica: str
 ) -> tuple[PendingReleases | None, ReleaseRelay | None, asyncio.Task[None] | None]:
     """With `release_on: access_log`: the ticket table, Envoy's access-log receiver (relaying other
     replicas' tickets through Redis when the fleet uses it), the sweeper."""
     if config.release_on != "access_log":
         return None, None, None
-    pending = PendingReleases(lifecycle, config.lease_timeout_s)
+    pending = PendingReleases(lifecycle, config.lease_timeout_s, replica=replica)
     relay = ReleaseRelay(config.fleet, pending) if config.fleet is not None else None
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(
         AccessLogReceiver(pending, config.headers.ticket, relay.forward if relay else None), server
@@ -231,7 +242,10 @@ def _sync(
     return sync
 
 
-async def start(config: ServiceConfig) -> RunningService:
+async def start(config: ServiceConfig, *, role: str = "main") -> RunningService:
+    """Start serving. `role` "bulk": the process envoy.yaml's big-body route sends requests that
+    declare >= 1 MiB to (docs/tuning.md, "Big bodies"); it routes like any replica."""
+    replica = replica_id(role)
     metrics = Metrics(config.pool.models(), config.pool.cluster_names())
     view = FleetView(config.pool) if config.fleet is not None else None
     lifecycle = RequestLifecycle(config, metrics, view)
@@ -249,10 +263,10 @@ async def start(config: ServiceConfig) -> RunningService:
             ("grpc.so_reuseport", 1),
         ]
     )
-    pending, relay, sweeper = _completions(config, lifecycle, server)
+    pending, relay, sweeper = _completions(config, lifecycle, server, replica)
     if relay is not None:
         relay.start()
-    sync = _sync(config, lifecycle, metrics, pending.replica if pending is not None else None)
+    sync = _sync(config, lifecycle, metrics, replica)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(lifecycle, pending), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -270,7 +284,8 @@ async def start(config: ServiceConfig) -> RunningService:
         else None
     )
     log.info(
-        "ext_proc listening on %s (port %d), metrics on %s, %d clusters, models: %s",
+        "ext_proc %slistening on %s (port %d), metrics on %s, %d clusters, models: %s",
+        "(bulk process: big bodies) " if role == "bulk" else "",
         config.listen,
         port,
         config.metrics_listen or "off",
@@ -317,10 +332,14 @@ def _can_pick(config: ServiceConfig, sources: tuple[EndpointSource, ...]) -> boo
     return all(s.synced for s in sources) and bool(config.pool.everything())
 
 
-async def serve(config: ServiceConfig) -> None:
+async def serve(config: ServiceConfig, *, role: str = "main") -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    running = await start(config)
+    if role == "bulk" and config.bodies.worker_nice:
+        # Big bodies' copies and parses must not take CPU from the main process's decisions.
+        with contextlib.suppress(OSError):
+            os.nice(config.bodies.worker_nice)
+    running = await start(config, role=role)
     first, again = asyncio.Event(), asyncio.Event()
 
     def on_signal(sig: signal.Signals) -> None:

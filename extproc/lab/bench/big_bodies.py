@@ -45,6 +45,7 @@ from extproc.lab.stack.processes import find_envoy, free_port, wait_port
 
 SMALL_MODEL = "sim-llama"
 BIG_MODEL = "legal-docs"
+LAYOUTS = ("single", "bulk")
 KINDS = ("text", "image")
 NICE = 10
 _WORDS = 5000
@@ -315,7 +316,7 @@ def _port_pair() -> int:
 class Engines:
     """Simulated engines answering at once (`llm-extproc sim`, fixed cost), one process, niced."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, model: str) -> None:
         self.port = _port_pair()
         self.log = log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -324,6 +325,8 @@ class Engines:
                 "-m",
                 "extproc.cli",
                 "sim",
+                "--model",  # engines answer 404 for a model they do not serve, as vLLM does
+                model,
                 "--port",
                 str(self.port),
                 "--count",
@@ -430,9 +433,16 @@ async def run_big_bodies_bench(
     rate: float = 20.0,
     settle_s: float = 5.0,
     service: dict[str, Any] | None = None,
+    layouts: tuple[str, ...] = LAYOUTS,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the phases (baseline, then one storm per kind); write `big-bodies.json` under out_dir."""
+    """Run the phases (baseline, then one storm per kind) for each layout, one after the other in this
+    run; write `big-bodies.json` under out_dir. Layouts: `single` (one service process does
+    everything) and `bulk` (envoy.yaml's big-body route sends bodies >= 1 MiB to a second,
+    niced `serve --role bulk` process)."""
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        raise ValueError(f"unknown layouts {bad}; known: {', '.join(LAYOUTS)}")
     find_envoy()
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
@@ -441,41 +451,53 @@ async def run_big_bodies_bench(
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     size = int(size_mb * 1_000_000)
-    big_engine, small_engine = Engines(out_dir / "engines-big.log"), Engines(out_dir / "engines-small.log")
-    cfg = service_config(service)
-    gw = LocalGateway(
-        out_dir / "gateway",
-        clusters={"gpu-a": [big_engine.port], "gpu-b": [small_engine.port]},
-        service=cfg,
+    big_engine, small_engine = (
+        Engines(out_dir / "engines-big.log", BIG_MODEL),
+        Engines(out_dir / "engines-small.log", SMALL_MODEL),
     )
+    cfg = service_config(service)
     phases: list[dict[str, Any]] = []
     try:
-        gw.start()
-        url = gw.url + "/v1/chat/completions"
-        await probe(url, 2.0, rate)  # warm-up
-        phase_kinds: list[str | None] = [None, *kinds]
-        for kind in phase_kinds:
-            phases.append(
-                await run_phase(
-                    gw,
-                    kind=kind,
-                    clients=clients,
-                    size=size,
-                    seconds=seconds,
-                    rate=rate,
-                    settle_s=settle_s,
-                    log=log,
-                )
+        for layout in layouts:
+            log(f"layout {layout}")
+            gw = LocalGateway(
+                out_dir / f"gateway-{layout}",
+                clusters={"gpu-a": [big_engine.port], "gpu-b": [small_engine.port]},
+                service=cfg,
+                bulk=layout == "bulk",
             )
+            ran: list[dict[str, Any]] = []
+            try:
+                gw.start()
+                url = gw.url + "/v1/chat/completions"
+                await probe(url, 2.0, rate)  # warm-up
+                phase_kinds: list[str | None] = [None, *kinds]
+                for kind in phase_kinds:
+                    ran.append(
+                        await run_phase(
+                            gw,
+                            kind=kind,
+                            clients=clients,
+                            size=size,
+                            seconds=seconds,
+                            rate=rate,
+                            settle_s=settle_s,
+                            log=log,
+                        )
+                    )
+            finally:
+                gw.stop()
+            base = ran[0]["small"]
+            for phase in ran:
+                phase["layout"] = layout
+            for phase in ran[1:]:
+                phase["added_p50_ms"] = round(phase["small"]["p50_ms"] - base["p50_ms"], 2)
+                phase["added_p99_ms"] = round(phase["small"]["p99_ms"] - base["p99_ms"], 2)
+                phase["big_504"] = phase["big_statuses"].get("504", 0)
+            phases.extend(ran)
     finally:
-        gw.stop()
         big_engine.stop()
         small_engine.stop()
-    base = phases[0]["small"]
-    for phase in phases[1:]:
-        phase["added_p50_ms"] = round(phase["small"]["p50_ms"] - base["p50_ms"], 2)
-        phase["added_p99_ms"] = round(phase["small"]["p99_ms"] - base["p99_ms"], 2)
-        phase["big_504"] = phase["big_statuses"].get("504", 0)
     report = {
         "body_bytes": size,
         "big_clients": clients,
@@ -487,9 +509,9 @@ async def run_big_bodies_bench(
     }
     path = out_dir / "big-bodies.json"
     path.write_text(json.dumps(report, indent=2))
-    for phase in phases[1:]:
+    for phase in (p for p in phases if p["kind"] != "none"):
         log(
-            f"{phase['kind']:>6}: added p50 {phase['added_p50_ms']:+.1f} ms, added p99 "
+            f"{phase['layout']:>6} {phase['kind']:>6}: added p50 {phase['added_p50_ms']:+.1f} ms, added p99 "
             f"{phase['added_p99_ms']:+.1f} ms, 504s {phase['big_504']}"
         )
     log(f"results: {path}")

@@ -29,6 +29,7 @@ from extproc.settings import shipped_configs
 ENVOY_DIR = shipped_configs()
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 EXT_PROC_CLUSTER = "llm-extproc"
+BULK_CLUSTER = "llm-extproc-bulk"  # big bodies' ext_proc process (envoy.yaml's big-body route)
 
 
 def find_envoy() -> str:
@@ -119,10 +120,13 @@ def render_envoy_config(
     admin_port: int,
     extproc: tuple[str, int] | Sequence[tuple[str, int]],
     clusters: Mapping[str, Sequence[tuple[str, int]]],
+    bulk: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """Copy of `template` with the listener, admin, ext_proc and upstream cluster addresses replaced.
 
-    `extproc` is one (host, port) or a list of them: the service's replicas."""
+    `extproc` is one (host, port) or a list of them: the service's replicas. The big-body cluster
+    (llm-extproc-bulk, when the template has it) gets `bulk` first and the replicas as its failover,
+    or only the replicas without a bulk process."""
     cfg = copy.deepcopy(dict(template))
     cfg["admin"]["address"] = _socket("127.0.0.1", admin_port)
     listeners = cfg["static_resources"]["listeners"]
@@ -142,6 +146,16 @@ def render_envoy_config(
         cluster["load_assignment"] = {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
     if wanted:
         raise KeyError(f"clusters not in the Envoy config: {sorted(wanted)}")
+    for cluster in cfg["static_resources"]["clusters"]:
+        if cluster["name"] == BULK_CLUSTER:
+            main = [{"endpoint": {"address": _socket(h, p)}} for h, p in replicas]
+            levels: list[dict[str, Any]] = [{"lb_endpoints": main}]
+            if bulk is not None:
+                levels = [
+                    {"lb_endpoints": [{"endpoint": {"address": _socket(*bulk)}}]},
+                    {"priority": 1, "lb_endpoints": main},
+                ]
+            cluster["load_assignment"] = {"cluster_name": BULK_CLUSTER, "endpoints": levels}
     return cfg
 
 
@@ -350,6 +364,7 @@ class LocalGateway:
         service_args: Sequence[str] = (),
         workers: int = 1,
         worker_ports: str = "consecutive",
+        bulk: bool = False,
     ) -> None:
         if replicas < 1 or workers < 1 or (replicas > 1 and workers > 1):
             raise ValueError("replicas and workers must be at least 1, and not both above 1")
@@ -369,12 +384,17 @@ class LocalGateway:
         self.service_port, self.metrics_port = self.service_ports[0], self.metrics_ports[0]
         self.url = f"http://127.0.0.1:{self.listener_port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        # `bulk`: a second service process (`serve --role bulk`) for big bodies, in Envoy's
+        # llm-extproc-bulk cluster; `bulk_service` (metrics: `metrics(bulk=True)`).
+        self.bulk_port = free_port() if bulk else None
+        self.bulk_metrics_port = free_port() if bulk else None
         cfg = render_envoy_config(
             load_envoy_config(ENVOY_DIR / envoy_file),
             listener_port=self.listener_port,
             admin_port=self.admin_port,
             extproc=[("127.0.0.1", port) for port in self.service_ports],
             clusters={c: [("127.0.0.1", p) for p in ports] for c, ports in clusters.items()},
+            bulk=("127.0.0.1", self.bulk_port) if self.bulk_port else None,
         )
         if envoy_edit is not None:
             envoy_edit(cfg)
@@ -393,14 +413,29 @@ class LocalGateway:
             )
         ][: 1 if workers > 1 else None]
         self.service = self.services[0]
+        self.bulk_service = (
+            ServiceProcess(
+                self.service_config,
+                self.bulk_port,
+                workdir / "service-bulk.log",
+                self.bulk_metrics_port,
+                [*service_args, "--role", "bulk"],
+            )
+            if self.bulk_port
+            else None
+        )
         self.envoy = EnvoyProcess(cfg, self.admin_port, self.listener_port, workdir / "envoy.log")
 
     def start(self) -> LocalGateway:
         try:
             for service in self.services:
                 service.start()
+            if self.bulk_service is not None:
+                self.bulk_service.start()
             self.envoy.start()
             self.wait_extproc_healthy()
+            if self.bulk_port is not None:
+                self.wait_bulk_healthy()
         except Exception:
             self.stop()
             raise
@@ -432,9 +467,21 @@ class LocalGateway:
         state = "healthy" if healthy else "unhealthy"
         raise TimeoutError(f"Envoy never saw llm-extproc {wanted} {state}: {self.extproc_health()}")
 
-    def metrics(self, replica: int = 0) -> dict[str, float]:
-        """Prometheus samples of service `replica` as {'name{labels}': value}."""
-        url = f"http://127.0.0.1:{self.metrics_ports[replica]}/metrics"
+    def wait_bulk_healthy(self, timeout: float = 15.0, healthy: bool = True) -> None:
+        """Envoy's health check has seen the bulk process healthy (or, healthy=False, not)."""
+        marker = f"{BULK_CLUSTER}::127.0.0.1:{self.bulk_port}::health_flags::"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = [x for x in self.envoy.admin("/clusters").splitlines() if x.startswith(marker)]
+            if lines and (lines[0][len(marker) :] == "healthy") == healthy:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"Envoy never saw the bulk process {'healthy' if healthy else 'unhealthy'}")
+
+    def metrics(self, replica: int = 0, *, bulk: bool = False) -> dict[str, float]:
+        """Prometheus samples of service `replica` (or of the bulk process) as {'name{labels}': value}."""
+        port = self.bulk_metrics_port if bulk else self.metrics_ports[replica]
+        url = f"http://127.0.0.1:{port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
         out: dict[str, float] = {}
@@ -446,7 +493,8 @@ class LocalGateway:
 
     def logs(self) -> str:
         parts = []
-        for p in (*(s.log_path for s in self.services), self.workdir / "envoy.log"):
+        bulk = [self.bulk_service.log_path] if self.bulk_service is not None else []
+        for p in (*(s.log_path for s in self.services), *bulk, self.workdir / "envoy.log"):
             if p.exists():
                 parts.append(f"--- {p.name} ---\n{p.read_text()[-4000:]}")
         return "\n".join(parts)
@@ -455,6 +503,8 @@ class LocalGateway:
         self.envoy.stop()
         for service in self.services:
             service.stop()
+        if self.bulk_service is not None:
+            self.bulk_service.stop()
 
 
 class RedisProcess:
