@@ -39,7 +39,7 @@ def lifecycle(admission: dict[str, Any] | None = None, view: bool = False, **ext
         **extra,
     }
     if admission is not None:
-        raw["admission"] = admission
+        raw["admission"] = {"enabled": True, **admission}  # opt-in (off by default)
     cfg = config_from_dict(raw)
     fleet = FleetView(cfg.pool, clock=lambda: NOW) if view else None
     return RequestLifecycle(cfg, Metrics(["m"], ["a", "b"]), fleet)
@@ -354,7 +354,9 @@ def test_slo_ttft_needs_predicted_ttft() -> None:
 # -- configuration -----------------------------------------------------------------------------------
 def test_admission_settings_defaults_and_errors() -> None:
     s = admission_settings(None)
-    assert s.enabled and s.max_wait_s < 2.0  # below Envoy's 2 s ext_proc message_timeout
+    assert not s.enabled  # opt-in: it turns saturation into 429s
+    assert s.max_wait_s < 2.0  # below Envoy's 2 s ext_proc message_timeout
+    assert admission_settings({"enabled": True}).enabled
     assert admission_settings({"max_kv_usage": 0.9, "max_queued": 0}).max_queued == 0
     for bad in (
         {"max_wait_s": 0},
@@ -396,7 +398,7 @@ def test_des_admission_sheds_sheddable_first_and_counts_queue_time() -> None:
     assert [h["x-llm-priority"] for h in wl.headers] == [t.split("/")[0] for t in wl.tags()]
     requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
     profiles = [PROFILES["a10g-llama3-8b"]] * 2
-    service = {"admission": {"max_inflight_per_weight": 8, "max_wait_s": 1.5}}
+    service = {"admission": {"enabled": True, "max_inflight_per_weight": 8, "max_wait_s": 1.5}}
     run = simulate(requests, profiles, "llm-extproc", service=service, headers=wl.headers)
     by_class: dict[str, list[Any]] = {}
     for r in run.records:

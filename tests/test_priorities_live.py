@@ -18,7 +18,7 @@ pytestmark = pytest.mark.envoy
 
 SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 LONG = {**SHORT, "max_tokens": 60}  # 60 tokens x 10 ms: holds its engine ~0.6 s
-ADMISSION = {"max_inflight_per_weight": 1, "max_wait_s": 1.5, "retry_after_s": 2}
+ADMISSION = {"enabled": True, "max_inflight_per_weight": 1, "max_wait_s": 1.5, "retry_after_s": 2}
 
 
 def batch_route(cfg: dict[str, Any]) -> None:
@@ -109,6 +109,8 @@ async def test_client_gone_while_queued_leaves_the_queue(stack: Stack) -> None:
         )
         assert stack.metrics()["llm_extproc_admission_queue_length"] == 0
         await asyncio.gather(*held)
+        # The held requests' ends reach the service through the access log (~20 ms later).
+        assert await asyncio.to_thread(wait_until, lambda: stack.inflight() == 0, 5.0)
         status, _, _ = await post(session, stack, SHORT)  # nothing left holding capacity
         assert status == 200
     assert admission(stack, "standard", "admitted", "dequeued") == 0

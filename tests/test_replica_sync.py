@@ -494,3 +494,39 @@ def test_the_replicas_bench_writes_json_and_markdown(tmp_path: Path) -> None:
     assert all(r["report"]["ok"] == r["report"]["requests"] for r in result["rows"])
     assert {v["setup"] for v in result["verdicts"]} == {"4 shared", "4 alone"}
     assert "| des | chats | 4 shared |" in (tmp_path / "replicas.md").read_text()
+
+
+async def test_stop_ends_the_loops_while_news_keeps_coming(redis_server: RedisProcess) -> None:
+    from extproc.settings import RedisSettings
+
+    r = Replica("a", Clock(), seed=1, interval_s=0.001, heartbeat_s=0.01)
+    sync = ReplicaSync(
+        "a",
+        r.config.profiles,
+        r.lifecycle.inflight,
+        r.remote,
+        r.metrics,
+        r.sync.settings,
+        RedisSettings(url=redis_server.url),
+    )
+    sync.start()
+    await asyncio.wait_for(sync.connected.wait(), 5)
+    busy = True
+
+    async def news() -> None:  # a pick and a finish at every turn of the loop, as under load
+        while busy:
+            r.lifecycle.finish(r.route("A"), "response_end")
+            await asyncio.sleep(0)
+
+    spam = asyncio.create_task(news())
+    await asyncio.sleep(0.2)
+    for _ in range(20):  # each stop may land on a wake-up: none may hang
+        await asyncio.wait_for(sync.stop(), 5)
+        sync.start()
+        await asyncio.sleep(0.01)
+    busy = False
+    await spam
+    await asyncio.wait_for(sync.stop(), 5)
+    assert (
+        r.metrics.registry.get_sample_value("llm_extproc_sync_messages_total", {"direction": "sent"}) or 0
+    ) > 0

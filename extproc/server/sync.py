@@ -84,6 +84,7 @@ class ReplicaSync:
         self._budget_at = clock()
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()  # set on every in-flight change: a pick or a finish to publish
+        self._stopping = False
         self.connected = asyncio.Event()
         self.loaded_from: str | None = None  # the replica whose state this one started from
         for plugin in self.plugins.values():
@@ -248,6 +249,7 @@ class ReplicaSync:
     def start(self) -> None:
         if self.redis is None or not self.settings.enabled:
             return
+        self._stopping = False
         self.inflight.watch(self._wake.set)
         self._tasks = [
             asyncio.create_task(self._publish_loop(), name="sync-publish"),
@@ -256,15 +258,22 @@ class ReplicaSync:
         ]
 
     async def stop(self) -> None:
+        """Cancel the loops until they are done (a cancellation lost in a race is sent again)."""
+        self._stopping = True
+        self._wake.set()
+        pending = {t for t in self._tasks if not t.done()}
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.5)
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if not task.cancelled():
+                with contextlib.suppress(Exception):
+                    task.exception()
         self._tasks = []
 
     async def _expire_loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(EXPIRE_TICK_S)
             self.expire()
 
@@ -276,11 +285,19 @@ class ReplicaSync:
         last_sent = next_state = 0.0
         backoff = RECONNECT_S[0]
         try:
-            while True:
+            while not self._stopping:
                 # Leading edge: news after a quiet spell goes out at once; then at most one message
                 # per interval_s, batching what came meanwhile; a heartbeat when there is none.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), s.heartbeat_s)
+                if not self._wake.is_set():
+                    # asyncio.wait, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                    # races with the event being set, and stop() would wait forever.
+                    waiter = asyncio.ensure_future(self._wake.wait())
+                    try:
+                        await asyncio.wait({waiter}, timeout=s.heartbeat_s)
+                    finally:
+                        waiter.cancel()
+                if self._stopping:
+                    return
                 self._wake.clear()
                 now = loop.time()
                 data = self.outgoing(force=now - last_sent >= s.heartbeat_s)
@@ -312,7 +329,7 @@ class ReplicaSync:
     async def _receive_loop(self) -> None:
         assert self.redis is not None
         delay = RECONNECT_S[0]
-        while True:
+        while not self._stopping:
             client = redis_client(self.redis)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:

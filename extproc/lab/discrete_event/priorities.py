@@ -43,7 +43,7 @@ PEERS = ("round-robin", "least-request", "sglang-cache-aware", "vllm-router-cach
 # there is under 0.15 s. The engines take every request into their batch at once (chunked prefill),
 # so their waiting count stays near 0 however late first tokens come: the predicted prefill backlog
 # is the signal that moves. Standard requests wait in the queue <= 1.5 s.
-BENCH_ADMISSION: dict[str, Any] = {"max_predicted_wait_s": 0.15, "max_wait_s": 1.5}
+BENCH_ADMISSION: dict[str, Any] = {"enabled": True, "max_predicted_wait_s": 0.15, "max_wait_s": 1.5}
 
 
 @dataclass(slots=True)

@@ -221,8 +221,9 @@ class ExtprocPolicy:
                 "pool": {"clusters": [{"name": f"engine-{i}", "models": [model]} for i in range(n)]},
                 "metrics_listen": None,
                 "scheduling": {"profiles": {"default": {**DEFAULT_PROFILE, "picker": picker}}},
-                # Off unless the run asks for it (`service={"admission": ...}`): the routing
-                # benches compare placement with every request served, as the references serve them.
+                # Off (the service's default too) unless the run asks for it (`service={"admission":
+                # {"enabled": True, ...}}`): the routing benches compare placement with every
+                # request served, as the references serve them.
                 "admission": {"enabled": False},
                 **(service or {}),
             }
