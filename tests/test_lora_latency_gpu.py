@@ -15,7 +15,6 @@ not live engines; they live in the bench tooling (extproc/lab/bench/lora_latency
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -28,7 +27,8 @@ from builders import NOW, chat_request, instance_state
 from extproc.fleet import ClusterSpec, FleetView, InstanceState, Load, Pool, RoutingMode, Upstream
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import validate
-from extproc.lab.bench.lora_latency import latency_profile, simulate_lora, simulate_slowdown
+from extproc.lab.bench.lora_latency import ModelState, latency_profile, simulate_lora, simulate_slowdown, up
+from extproc.lab.bench.lora_latency import ld as model_load
 from extproc.lab.engines import SimEngine
 from extproc.openai import InferenceRequest
 from extproc.publishers.engines import EngineLoad, normalize, normalize_dcgm
@@ -48,44 +48,15 @@ from extproc.settings import ConfigError, RedisSettings
 
 
 # -- fakes -------------------------------------------------------------------------------------------------
-class FakeState:
-    """A FleetState over dicts with a settable clock (virtual seconds)."""
+class FakeState(ModelState):
+    """The bench's FleetState over dicts, its clock starting at NOW (virtual seconds)."""
 
     def __init__(self, loads: dict[str, Load] | None = None, t: float = NOW) -> None:
-        self.loads: dict[str, Load] = loads or {}
-        self.counts: Counter[str] = Counter()
-        self.t = t
-
-    def count(self, upstream_id: str) -> int:
-        return self.counts[upstream_id]
-
-    def load(self, upstream_id: str) -> Load | None:
-        return self.loads.get(upstream_id)
-
-    def pending(self, upstream_id: str) -> int:
-        load = self.loads.get(upstream_id)
-        own = self.counts[upstream_id]
-        return own if load is None else max(0, own - load.own_at_snapshot)
-
-    def now(self) -> float:
-        return self.t
+        super().__init__(loads, t)
 
 
 def ld(**kw: Any) -> Load:
-    base: dict[str, Any] = {
-        "num_running": 0,
-        "num_waiting": 0,
-        "kv_cache_usage": 0.0,
-        "published_at": NOW,
-        "instances": 1,
-        "own_at_snapshot": 0,
-    }
-    base.update(kw)
-    return Load(**base)
-
-
-def up(uid: str) -> Upstream:
-    return Upstream(id=uid, cluster=uid, address=None, weight=1.0)
+    return model_load(**{"published_at": NOW, **kw})
 
 
 def req(model: str) -> InferenceRequest:
