@@ -41,6 +41,7 @@ from extproc.settings import (
     HeaderNames,
     RedisSettings,
     admission_settings,
+    boolean,
     check_keys,
     integer,
     listen_address,
@@ -112,9 +113,7 @@ def _sync(raw: Any) -> SyncSettings:
     check_keys(section, SyncSettings.__dataclass_fields__, where)
     values: dict[str, Any] = {}
     if "enabled" in section:
-        if not isinstance(section["enabled"], bool):
-            raise ConfigError(f"{where}.enabled must be true or false")
-        values["enabled"] = section["enabled"]
+        values["enabled"] = boolean(section["enabled"], f"{where}.enabled")
     for key in ("interval_s", "heartbeat_s", "expire_s", "state_interval_s"):
         if key in section:
             values[key] = number(section[key], f"{where}.{key}", positive=True)

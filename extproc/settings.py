@@ -177,9 +177,7 @@ def admission_settings(raw: Any, where: str = "config: 'admission'") -> Admissio
     check_keys(section, AdmissionSettings.__dataclass_fields__, where)
     values: dict[str, Any] = {}
     if "enabled" in section:
-        if not isinstance(section["enabled"], bool):
-            raise ConfigError(f"{where}.enabled must be true or false, got {section['enabled']!r}")
-        values["enabled"] = section["enabled"]
+        values["enabled"] = boolean(section["enabled"], f"{where}.enabled")
     for key in ("max_waiting_per_weight", "max_inflight_per_weight", "max_wait_s"):
         if key in section:
             values[key] = number(section[key], f"{where}.{key}", positive=True)
@@ -335,9 +333,7 @@ def redis_settings(raw: Any, where: str, password_env: str | None = None) -> Red
         elif key == "sentinels":
             values[key] = tuple(string_list(value, f"{where}.{key}"))
         elif key == "cluster":
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}.{key} must be true or false")
-            values[key] = value
+            values[key] = boolean(value, f"{where}.{key}")
         elif value is not None:
             values[key] = string(value, f"{where}.{key}")
     settings = RedisSettings(**values)
@@ -412,6 +408,12 @@ def integer(value: Any, where: str, *, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ConfigError(f"{where} must be {wanted}, got {value!r}")
+    return value
+
+
+def boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
     return value
 
 
