@@ -253,15 +253,16 @@ async def test_fallback_list_is_retried_in_order(
     assert via_fallback, "the dead endpoint was never picked: nothing exercised the fallback"
     # Envoy's access log reports where each request was served; those that went to the fallback
     # are counted as such (the lease followed them there).
-    assert wait_until(
-        lambda: (
-            stack.metrics().get('llm_extproc_endpoint_served_total{outcome="fallback"}', 0)
-            == len(via_fallback)
+    # Access-log reports arrive after the responses: wait for all 24, then check the split.
+    def served() -> tuple[float, float]:
+        m = stack.metrics()
+        return (
+            m.get('llm_extproc_endpoint_served_total{outcome="chosen"}', 0),
+            m.get('llm_extproc_endpoint_served_total{outcome="fallback"}', 0),
         )
-    )
-    assert stack.metrics().get('llm_extproc_endpoint_served_total{outcome="chosen"}', 0) == 24 - len(
-        via_fallback
-    )
+
+    assert wait_until(lambda: sum(served()) >= 24)
+    assert served() == (24 - len(via_fallback), len(via_fallback))
     assert wait_until(lambda: stack.inflight() == 0)
 
 
