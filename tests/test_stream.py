@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import orjson
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
@@ -10,7 +13,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import config_from_dict
 from extproc.lifecycle import RequestLifecycle
-from extproc.server.stream import Phase, RequestStream
+from extproc.server.completions import PendingReleases
+from extproc.server.stream import ExternalProcessor, Phase, RequestStream
 from extproc.telemetry import Metrics
 
 POOL = {
@@ -240,3 +244,94 @@ def test_route_profile_selection_falls_back_to_default() -> None:
     assert lc.profile(None).name == "a"
     assert lc.profile("b").name == "b"
     assert lc.profile("typo").name == "a"  # a typo in envoy.yaml must not fail requests
+
+
+class FakeContext:
+    """grpc.aio's reader/writer side of one stream: `read()` hands out the messages, then EOF (or
+    raises `fail`); `write()` keeps the replies (or raises `fail_write` on write number `fail_at`)."""
+
+    def __init__(
+        self,
+        msgs: list[pb.ProcessingRequest],
+        *,
+        fail: BaseException | None = None,
+        fail_write: BaseException | None = None,
+        fail_at: int = 0,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.msgs = list(msgs)
+        self.fail = fail
+        self.fail_write = fail_write
+        self.fail_at = fail_at
+        self.metadata = metadata
+        self.written: list[pb.ProcessingResponse] = []
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    async def read(self) -> object:
+        if self.msgs:
+            return self.msgs.pop(0)
+        if self.fail is not None:
+            raise self.fail
+        return grpc.aio.EOF
+
+    async def write(self, reply: pb.ProcessingResponse) -> None:
+        if self.fail_write is not None and len(self.written) == self.fail_at:
+            raise self.fail_write
+        self.written.append(reply)
+
+
+def streams_open(lc: RequestLifecycle) -> float:
+    return lc.metrics.registry.get_sample_value("llm_extproc_active_streams") or 0.0
+
+
+def released(lc: RequestLifecycle, trigger: str) -> float:
+    return lc.metrics.registry.get_sample_value("llm_extproc_releases_total", {"trigger": trigger}) or 0.0
+
+
+async def test_servicer_ends_the_call_once_routed_with_a_ticket() -> None:
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0)
+    ctx = FakeContext([headers_msg(), body_msg(CHAT), headers_msg()])
+    await ExternalProcessor(lc, pending).Process(None, ctx)  # type: ignore[arg-type]
+    assert [r.WhichOneof("response") for r in ctx.written] == ["request_headers", "request_body"]
+    assert len(ctx.msgs) == 1  # not read: the call ended once routed
+    assert len(pending) == 1 and lc.inflight.total() == 1  # the access log releases it
+    assert streams_open(lc) == 0
+
+
+async def test_servicer_without_tickets_releases_when_the_client_goes_away() -> None:
+    lc = lifecycle()
+    ctx = FakeContext([headers_msg(), body_msg(CHAT)], fail=asyncio.CancelledError())
+    with pytest.raises(asyncio.CancelledError):
+        await ExternalProcessor(lc).Process(None, ctx)  # type: ignore[arg-type]
+    assert len(ctx.written) == 2
+    assert lc.inflight.total() == 0 and streams_open(lc) == 0
+    assert released(lc, "stream_end") == 1
+
+
+async def test_servicer_cancelled_while_replying_releases_the_ticket_at_once() -> None:
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0)
+    ctx = FakeContext([headers_msg(), body_msg(CHAT)], fail_write=asyncio.CancelledError(), fail_at=1)
+    with pytest.raises(asyncio.CancelledError):
+        await ExternalProcessor(lc, pending).Process(None, ctx)  # type: ignore[arg-type]
+    assert len(pending) == 0 and lc.inflight.total() == 0
+    assert released(lc, "stream_cancel") == 1
+
+
+async def test_servicer_ends_quietly_when_envoy_closes_before_the_body() -> None:
+    lc = lifecycle()
+    ctx = FakeContext([headers_msg()])
+    await ExternalProcessor(lc).Process(None, ctx)  # type: ignore[arg-type]
+    assert [r.WhichOneof("response") for r in ctx.written] == ["request_headers"]
+    assert lc.inflight.total() == 0 and streams_open(lc) == 0
+
+
+def test_metric_children_are_the_labelled_series() -> None:
+    lc = lifecycle()
+    m = lc.metrics
+    routed = m.requests.labels(model="m", cluster="gpu-a", outcome="routed")
+    assert m.requests_by("m", "gpu-a", "routed") is routed
+    assert m.releases_by("access_log") is m.releases_by("access_log")

@@ -457,7 +457,7 @@ class Admission:
     def _count(self, klass: PriorityClass, decision: str, reason: str) -> None:
         m = self.metrics
         if m is not None:
-            m.admission.labels(priority=klass.value, decision=decision, reason=reason).inc()
+            m.admission_by(klass.value, decision, reason).inc()
 
     def _gauge(self) -> None:
         m = self.metrics

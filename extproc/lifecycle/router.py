@@ -234,12 +234,12 @@ class RequestLifecycle:
 
     def _tokenized(self, request: InferenceRequest, result: TokenizedPrompt) -> None:
         m = self.metrics
-        m.tokenized.labels(source=result.source).inc()
+        m.tokenized_by(result.source).inc()
         if result.exact:
             request.prompt_token_ids = result.token_ids
             request.prompt_tokens = result.token_count
-            m.tokenized_tokens.labels(cache="hit").inc(result.cached_tokens)
-            m.tokenized_tokens.labels(cache="miss").inc(result.token_count - result.cached_tokens)
+            m.tokenized_tokens_by("hit").inc(result.cached_tokens)
+            m.tokenized_tokens_by("miss").inc(result.token_count - result.cached_tokens)
 
     # -- admit, schedule, record -------------------------------------------------------------------
     def _schedule(
@@ -282,9 +282,7 @@ class RequestLifecycle:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------
         lease = self.inflight.acquire(upstream)
-        self.metrics.requests.labels(
-            model=self.metrics.model_label(request.model), cluster=upstream.cluster, outcome="routed"
-        ).inc()
+        self.metrics.requests_by(self.metrics.model_label(request.model), upstream.cluster, "routed").inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         decision = Decision(request=request, upstream=upstream, lease=lease, profile=profile, explanation=why)
         if ranked is not None and upstream.address is not None:
@@ -298,7 +296,7 @@ class RequestLifecycle:
         ext_proc stream closed first, e.g. the client went away). Idempotent: only the first counts."""
         if not decision.lease.release():
             return
-        self.metrics.releases.labels(trigger=trigger).inc()
+        self.metrics.releases_by(trigger).inc()
         decision.profile.finished(decision.request, decision.upstream)
         self.admission.dispatch(decision.request.model)  # the freed capacity goes to a waiter
 
@@ -310,10 +308,8 @@ class RequestLifecycle:
             if decision.lease.release():
                 decision.profile.finished(decision.request, decision.upstream)
                 self.admission.dispatch(model)
-        self.metrics.errors.labels(status=str(error.status)).inc()
-        self.metrics.requests.labels(
-            model=self.metrics.model_label(model), cluster="", outcome="rejected"
-        ).inc()
+        self.metrics.errors_by(str(error.status)).inc()  # shedding at saturation: every request
+        self.metrics.requests_by(self.metrics.model_label(model), "", "rejected").inc()
 
     def _backlog(self) -> Backlog | None:
         """The default profile's predicted-ttft prefill queue, for admission's saturation signal."""

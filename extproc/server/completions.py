@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -83,13 +84,18 @@ class PendingReleases:
         self._pending[ticket] = _Pending(decision, self._clock())
         return ticket
 
-    def complete(self, ticket: str, trigger: str, served: str | None = None) -> str:
+    def complete(
+        self, ticket: str, trigger: str, served: str | Callable[[], str | None] | None = None
+    ) -> str:
         """Release the request behind `ticket`; returns the outcome (a metric label). `served`: the
-        upstream address Envoy reports (endpoint mode: counted, see server/picker.py)."""
+        upstream address Envoy reports (endpoint mode: counted, see server/picker.py), or a function
+        that reads it, called only in endpoint mode (reading it from an entry costs ~8 us)."""
         entry = self._pending.pop(ticket, None)
         if entry is not None:
-            if served and entry.decision.upstream.address is not None:
-                record_served(self.lifecycle, entry.decision, served)
+            if served is not None and entry.decision.upstream.address is not None:
+                where = served() if callable(served) else served
+                if where:
+                    record_served(self.lifecycle, entry.decision, where)
             self.lifecycle.finish(entry.decision, trigger)
             return "released"
         if not ticket:
@@ -150,7 +156,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
         self.pending = pending
         self.header = ticket_header
         self.relay = relay  # hands another replica's tickets to it (server/relay.py)
-        self.entries = pending.lifecycle.metrics.access_log_entries
+        self.entries = pending.lifecycle.metrics.access_log_entries_by
 
     async def StreamAccessLogs(
         self,
@@ -170,11 +176,11 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     def _entries(self, message: als_pb2.StreamAccessLogsMessage) -> None:
         for entry in message.http_logs.log_entry:
             ticket = entry.request.request_headers.get(self.header, "")
-            outcome = self.pending.complete(ticket, "access_log", _upstream_address(entry))
+            outcome = self.pending.complete(ticket, "access_log", partial(_upstream_address, entry))
             if outcome == "other_replica" and self.relay is not None:
                 self.relay(ticket)
                 outcome = "relayed"
-            self.entries.labels(outcome=outcome).inc()
+            self.entries(outcome).inc()
 
 
 def _upstream_address(entry: Any) -> str | None:

@@ -74,5 +74,5 @@ def served_endpoint(msg: pb.ProcessingRequest, headers: dict[str, str] | None = 
 def record_served(lifecycle: RequestLifecycle, decision: Decision, served: str) -> str:
     """Count where the request was served and move its lease if that is not the pick."""
     outcome = move_to_served(lifecycle.inflight, lifecycle.config.pool, decision, served)
-    lifecycle.metrics.endpoint_served.labels(outcome=outcome).inc()
+    lifecycle.metrics.endpoint_served_by(outcome).inc()
     return outcome

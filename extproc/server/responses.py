@@ -67,19 +67,20 @@ def endpoint_metadata(
     return md
 
 
-def _common(mutation: pb.HeaderMutation | None, clear_route_cache: bool) -> pb.CommonResponse:
-    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+def _common(common: pb.CommonResponse, mutation: pb.HeaderMutation | None) -> None:
+    """Fill a reply's CommonResponse in place: built apart and passed to the constructors, the
+    mutation (and a full-duplex body) was copied twice more. Present even when empty."""
+    common.SetInParent()
     if mutation is not None:
+        common.clear_route_cache = True
         common.header_mutation.CopyFrom(mutation)
-    return common
 
 
 def request_headers(
     mutation: pb.HeaderMutation | None = None, *, metadata: Struct | None = None
 ) -> pb.ProcessingResponse:
-    resp = pb.ProcessingResponse(
-        request_headers=pb.HeadersResponse(response=_common(mutation, mutation is not None))
-    )
+    resp = pb.ProcessingResponse()
+    _common(resp.request_headers.response, mutation)
     if metadata is not None:
         resp.dynamic_metadata.CopyFrom(metadata)
     return resp
@@ -94,11 +95,12 @@ def request_body(
 ) -> pb.ProcessingResponse:
     """Body reply. `streamed` carries the body back to Envoy in FULL_DUPLEX_STREAMED mode, where Envoy
     keeps no copy of what it sent us."""
-    common = _common(mutation, mutation is not None)
+    resp = pb.ProcessingResponse()
+    common = resp.request_body.response
+    _common(common, mutation)
     if streamed is not None:
         common.body_mutation.streamed_response.body = streamed
         common.body_mutation.streamed_response.end_of_stream = end_of_stream
-    resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
     if metadata is not None:
         resp.dynamic_metadata.CopyFrom(metadata)
     return resp

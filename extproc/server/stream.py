@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from enum import Enum, auto
 
 import grpc
@@ -38,6 +38,7 @@ log = logging.getLogger("extproc.stream")
 _FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 _STREAMED = ProcessingMode.STREAMED
 ENDPOINT_METADATA_KEY = "x-gateway-destination-endpoint"
+Metadata = Sequence[tuple[str, str | bytes]]
 
 
 class Phase(Enum):
@@ -253,14 +254,18 @@ class RequestStream:
 def _header_map(msg: pb.HttpHeaders) -> dict[str, str]:
     out: dict[str, str] = {}
     for h in msg.headers.headers:
-        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        raw = h.raw_value  # each field read builds a new object: read it once
+        value = raw.decode("utf-8", "replace") if raw else h.value
         key = h.key.lower()
-        out[key] = f"{out[key]},{value}" if key in out else value
+        if key in out:
+            out[key] = f"{out[key]},{value}"
+        else:
+            out[key] = value
     return out
 
 
-def _profile_name(context: grpc.aio.ServicerContext) -> str | None:
-    for key, value in context.invocation_metadata() or ():
+def _profile_name(metadata: Metadata) -> str | None:
+    for key, value in metadata:
         if key == PROFILE_METADATA_KEY:
             return value if isinstance(value, str) else value.decode("utf-8", "replace")
     return None
@@ -275,17 +280,22 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        profile = self.lifecycle.profile(_profile_name(context))
-        route = route_admission(context.invocation_metadata() or ())
+    ) -> None:
+        """grpc.aio's reader/writer API (`context.read()` / `context.write()`) rather than async
+        generators: a generator layer each way costs a step per message, and a request generator
+        left unfinished (we stop reading once routed) is closed later by asyncio's finalizer hook,
+        a thread-safe wake-up of the loop and a task per request. `request_iterator` is unused."""
+        metadata: Metadata = context.invocation_metadata() or ()
+        profile = self.lifecycle.profile(_profile_name(metadata))
+        route = route_admission(metadata)
         stream = RequestStream(self.lifecycle, profile, self.pending, route)
         streams = self.lifecycle.metrics.streams
         streams.inc()
         cancelled = True  # until the loop ends on its own: a cancellation or error skips the flag
         try:
-            async for msg in request_iterator:
+            while (msg := await context.read()) is not grpc.aio.EOF:
                 for reply in await stream.on_message(msg):
-                    yield reply
+                    await context.write(reply)
                 if stream.phase is Phase.DONE or stream.released_by_access_log:
                     # Routed with a ticket: end the call now (gRPC OK). Envoy goes on without this
                     # stream, so the response never depends on it; it would otherwise hold a
