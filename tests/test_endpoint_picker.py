@@ -251,6 +251,7 @@ async def test_fallback_list_is_retried_in_order(
         assert live[0] == engines.address(i), value
     via_fallback = [v for _, v in seen if v.startswith(dead)]
     assert via_fallback, "the dead endpoint was never picked: nothing exercised the fallback"
+
     # Envoy's access log reports where each request was served; those that went to the fallback
     # are counted as such (the lease followed them there).
     # Access-log reports arrive after the responses: wait for all 24, then check the split.

@@ -34,6 +34,8 @@ def test_vllm() -> None:
     assert load.ttft_count == 5.0
     assert load.tpot_sum == 0.15625  # inter_token_latency_seconds
     assert load.tpot_count == 6.0
+    assert load.prompt_tokens == 201877.0  # cached tokens included: the publisher subtracts the hits
+    assert load.prefill_seconds == 1.125  # request_prefill_time_seconds_sum, read as a counter
     assert load.models == ["meta-llama/Llama-3.1-8B-Instruct"]  # http_requests_total has no model
     assert isinstance(load.kv_blocks_total, int) and isinstance(load.block_size, int)
 
@@ -82,7 +84,11 @@ def test_llamacpp_current_build_has_no_kv_signal() -> None:
     load = normalize("llamacpp", scrape("llamacpp"))
     assert load.num_running == 3.0
     assert load.num_waiting == 1.0
-    assert asdict(load) == asdict(EngineLoad(num_running=3.0, num_waiting=1.0))
+    # Evaluated prompt tokens and the time they took: the prefill rate (cached tokens not counted).
+    assert asdict(load) == asdict(
+        EngineLoad(num_running=3.0, num_waiting=1.0, prompt_tokens=58213.0, prefill_seconds=131.902)
+    )
+    assert not ENGINE_METRICS["llamacpp"].prompt_tokens_cached and ENGINE_METRICS["vllm"].prompt_tokens_cached
 
 
 def test_llamacpp_build_before_kv_gauges_were_removed() -> None:

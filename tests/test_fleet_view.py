@@ -125,6 +125,17 @@ def test_cluster_mode_aggregates_instances() -> None:
     assert v.counts == {"fresh_ready": 4, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
 
 
+def test_cluster_prefill_rate_sums_instances_and_counts_unmeasured_ones_at_the_mean() -> None:
+    v = FleetView(cluster_pool(), clock=Clock(NOW + 1))
+    v.apply(inst("c1/a", prefill_tokens_per_s=3_000.0))
+    v.apply(inst("c1/b", prefill_tokens_per_s=1_000.0))
+    v.apply(inst("c1/c"))  # not measured yet: taken at the others' mean
+    v.apply(inst("c2/a", cluster="c2", models=frozenset({"m2"})))
+    v.rebuild()
+    assert v.load("c1").prefill_tokens_per_s == pytest.approx(6_000)  # type: ignore[union-attr]
+    assert v.load("c2").prefill_tokens_per_s is None  # type: ignore[union-attr]
+
+
 def test_cluster_mode_per_model_candidates() -> None:
     v = FleetView(cluster_pool(), clock=Clock())
     v.apply(inst("c1/a", models=frozenset({"m1", "shared"})))

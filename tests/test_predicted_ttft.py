@@ -146,9 +146,82 @@ def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
     assert scorer._models["a"].busy_until <= 101.0
 
 
+def _mixed_fleet(measured: dict[str, float], **params: Any) -> tuple[RequestLifecycle, FleetView]:
+    cfg_clusters = [{"name": name, "models": ["m"]} for name in ("fast", "slow", "new")]
+    cfg = config_from_dict(
+        {
+            "pool": {"clusters": cfg_clusters},
+            "metrics_listen": None,
+            "scheduling": {
+                "profiles": {
+                    "default": {
+                        "scorers": [{"name": "predicted-ttft", "params": params}],
+                        "picker": {"name": "max-score", "params": {"seed": 1}},
+                    }
+                }
+            },
+        }
+    )
+    view = FleetView(cfg.pool, clock=lambda: NOW + 1)
+    lc = RequestLifecycle(cfg, Metrics(["m"], ["fast", "slow", "new"]), view)
+    view.own_count = lc.inflight.count
+    for name in ("fast", "slow", "new"):
+        view.apply(
+            snap(name, kv_blocks_total=100_000, block_size=16, prefill_tokens_per_s=measured.get(name))
+        )
+    view.rebuild()
+    return lc, view
+
+
+def _rates(lc: RequestLifecycle, view: FleetView, names: tuple[str, ...]) -> dict[str, float]:
+    scorer = lc.config.profile.scorers[0][0]
+    assert isinstance(scorer, PredictedTtftScorer)
+    return scorer._rates([Upstream(n, n, None, 1.0) for n in names], [view.load(n) for n in names])
+
+
+def test_measured_prefill_rates_split_work_by_gpu_speed() -> None:
+    """Equal weights, but one engine prefills 10x faster: it gets most of a stream of distinct
+    prompts, the slow one some (its queue is short while the fast one's grows), and an engine
+    not measured yet counts as the fastest measured one, so it gets the traffic that measures it.
+    The configured rate (2000, the default) stays the slowest engine's: measurements only say how
+    much faster the others are."""
+    lc, view = _mixed_fleet({"fast": 30_000.0, "slow": 3_000.0})
+    assert _rates(lc, view, ("fast", "slow", "new")) == {"fast": 20_000.0, "slow": 2_000.0, "new": 20_000.0}
+    picks = Counter(lc.route(HEAD, body(_distinct(q), q)).upstream.id for q in range(60))
+    assert picks["fast"] + picks["new"] > 4 * picks["slow"] > 0
+    assert abs(picks["fast"] - picks["new"]) <= 0.25 * (picks["fast"] + picks["new"])
+
+
+def test_identical_engines_measured_with_noise_keep_the_configured_rate() -> None:
+    lc, view = _mixed_fleet({"fast": 2_400.0, "slow": 1_700.0, "new": 2_000.0}, prefill_tokens_per_s=1_500)
+    assert _rates(lc, view, ("fast", "slow", "new")) == dict.fromkeys(("fast", "slow", "new"), 1_500.0)
+    # With no tolerance each figure counts: the noise would tell them apart.
+    lc, view = _mixed_fleet({"fast": 2_400.0, "slow": 1_700.0, "new": 2_000.0}, rate_tolerance=1.0)
+    assert _rates(lc, view, ("fast", "slow", "new")) == pytest.approx(
+        {"fast": 2_000 * 2_400 / 1_700, "slow": 2_000.0, "new": 2_000 * 2_000 / 1_700}
+    )
+
+
+def test_measured_rates_can_be_switched_off() -> None:
+    lc, _ = _mixed_fleet({"fast": 20_000.0, "slow": 2_000.0}, measured_rate=False, prefill_tokens_per_s=3_000)
+    picks = Counter(lc.route(HEAD, body(_distinct(q), q)).upstream.id for q in range(60))
+    assert max(picks.values()) - min(picks.values()) <= 3  # all three alike: an even split
+
+
+def _distinct(q: int) -> str:
+    """A ~1.4k-token prompt sharing no leading block with any other."""
+    return f"Request {q} asks its own thing. " + TENANTS["ABCDEFGH"[q % 8]]
+
+
 @pytest.mark.parametrize(
     "params",
-    [{"prefill_tokens_per_s": 0}, {"block_tokens": -1}, {"evict_weight": -1}, {"copy_discount": 2}],
+    [
+        {"prefill_tokens_per_s": 0},
+        {"block_tokens": -1},
+        {"evict_weight": -1},
+        {"copy_discount": 2},
+        {"rate_tolerance": 0.5},
+    ],
 )
 def test_bad_parameters_are_config_errors(params: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="predicted-ttft"):

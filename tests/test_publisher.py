@@ -15,6 +15,7 @@ import yaml
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import decode
 from extproc.lab.engines import SimEngine
+from extproc.lab.engines.profiles import A10G_LLAMA3_8B
 from extproc.publishers.engines import EngineLoad
 from extproc.publishers.publisher import (
     InstanceSpec,
@@ -209,8 +210,8 @@ def test_snapshot_passes_service_validation() -> None:
 
 
 # -- _fill_load ----------------------------------------------------------------------------------------
-def fill(ld: EngineLoad, prev: _Previous | None = None) -> spb.UpstreamSnapshot:
-    snap = spb.UpstreamSnapshot()
+def fill(ld: EngineLoad, prev: _Previous | None = None, engine: str = "") -> spb.UpstreamSnapshot:
+    snap = spb.UpstreamSnapshot(engine=engine)
     _fill_load(snap, ld, prev or _Previous())
     return snap
 
@@ -334,6 +335,28 @@ def test_prefix_hit_rate_interval_and_fallback() -> None:
     assert s4.prefix_cache_hit_rate == pytest.approx(0.4)
     s5 = fill(EngineLoad(prefix_cache_hit_rate=1.7), _Previous())
     assert s5.prefix_cache_hit_rate == 1.0
+
+
+def test_prefill_rate_from_vllm_counters_subtracts_cache_hits() -> None:
+    prev = _Previous()
+    first = EngineLoad(prompt_tokens=10_000, prefix_cache_hits=4_000, prefill_seconds=2.0)
+    assert not fill(first, prev, "vllm").HasField("prefill_tokens_per_s")  # one scrape: no delta
+    # 9k prompt tokens of which 3k cached, in 3 s of prefill: 2k uncached tokens per second.
+    later = EngineLoad(prompt_tokens=19_000, prefix_cache_hits=7_000, prefill_seconds=5.0)
+    assert fill(later, prev, "vllm").prefill_tokens_per_s == pytest.approx(2_000)
+    # Without the hit counter vLLM's prompt counter says nothing about uncached work: no new figure.
+    blind = EngineLoad(prompt_tokens=40_000, prefill_seconds=6.0)
+    assert fill(blind, prev, "vllm").prefill_tokens_per_s == pytest.approx(2_000)
+
+
+def test_prefill_rate_from_llamacpp_counters_has_no_hits_to_subtract() -> None:
+    prev = _Previous()
+    fill(EngineLoad(prompt_tokens=1_000, prefill_seconds=1.0), prev, "llamacpp")
+    snap = fill(EngineLoad(prompt_tokens=1_600, prefill_seconds=2.0), prev, "llamacpp")
+    assert snap.prefill_tokens_per_s == pytest.approx(600)
+    assert not fill(EngineLoad(prompt_tokens=1, prefill_seconds=1.0), _Previous()).HasField(
+        "prefill_tokens_per_s"
+    )  # an unknown engine kind: no table row says what its counters mean
 
 
 # -- configuration -------------------------------------------------------------------------------------
@@ -611,6 +634,38 @@ async def test_tick_publishes_scraped_snapshot() -> None:
         assert snaps2[0].readiness == spb.DRAINING
         assert snaps2[0].sequence > snaps[0].sequence
         assert pub.published == 2
+    finally:
+        await engine.stop()
+
+
+async def test_tick_publishes_the_engines_measured_prefill_rate() -> None:
+    """A model-driven simulated A10G (vLLM's metric names, run 20x faster than real time): after a
+    few prompts between two scrapes, the snapshot carries a prefill rate near the GPU's own (in
+    real seconds, so 20x)."""
+    engine = SimEngine("e", "m", profile=A10G_LLAMA3_8B, time_scale=20.0)
+    port = await engine.start("127.0.0.1", 0)
+    try:
+        addr = f"127.0.0.1:{port}"
+        cfg = PublisherConfig(
+            redis=RedisSettings(pool="pool1"),
+            instances=[InstanceSpec(cluster="c1", address=addr, engine="sim")],
+            publisher_id="pub-t",
+        )
+        pub = Publisher(cfg)
+        redis = FakeRedis()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            first = await pub.tick(session, redis)
+            assert not first[0].HasField("prefill_tokens_per_s")  # nothing measured yet
+            for i in range(3):  # distinct ~1.5k-token prompts, one at a time
+                text = f"prompt {i} " + "words of a long prompt " * 300
+                body = {"model": "m", "prompt": text, "max_tokens": 1}
+                async with session.post(f"http://{addr}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+            second = await pub.tick(session, redis)
+        rate = decode(redis.executed[-1][1][2], frozenset({"c1"})).prefill_tokens_per_s
+        assert rate == second[0].prefill_tokens_per_s
+        true_rate = 20.0 / A10G_LLAMA3_8B.prefill_s_per_token  # ~2.4k tokens/s, 20x faster
+        assert rate is not None and 0.3 * true_rate < rate <= true_rate
     finally:
         await engine.stop()
 

@@ -151,6 +151,13 @@ def test_optional_out_of_range_become_none() -> None:
     assert (st.prefix_cache_hit_rate, st.ttft_s, st.tpot_s) == (None, None, None)
 
 
+def test_prefill_rate_is_kept_only_when_a_reader_can_divide_by_it() -> None:
+    assert validate(msg(), CLUSTERS, now=NOW).prefill_tokens_per_s is None  # not measured yet
+    assert validate(msg(prefill_tokens_per_s=2_500.0), CLUSTERS, now=NOW).prefill_tokens_per_s == 2_500.0
+    for bad in (0.0, -1.0, math.nan, math.inf, 1e9):
+        assert validate(msg(prefill_tokens_per_s=bad), CLUSTERS, now=NOW).prefill_tokens_per_s is None
+
+
 def test_timestamp_within_skew_accepted() -> None:
     st = validate(msg(published_at_ms=int((NOW + 29.0) * 1000)), CLUSTERS, now=NOW)
     assert st.published_at == pytest.approx(NOW + 29.0)

@@ -34,6 +34,7 @@ MAX_KV_BLOCKS = 1_000_000_000
 MAX_BLOCK_SIZE = 1 << 20
 MAX_MODEL_LEN = 1 << 30
 MAX_LATENCY_S = 3600.0
+MAX_PREFILL_TOKENS_PER_S = 1e8  # far above any GPU (an H100 prefills ~3e4 tokens/s of an 8B model)
 MAX_LORA_SLOTS = 4096  # adapters one engine holds in GPU memory at once (vLLM's default max_loras is 1)
 
 
@@ -80,6 +81,7 @@ class InstanceState:
     max_lora: int | None = None
     gpu_utilization: float | None = None
     gpu_memory_usage: float | None = None
+    prefill_tokens_per_s: float | None = None  # measured (publishers/prefill_rate.py); None: not yet
 
     @property
     def ready(self) -> bool:
@@ -167,6 +169,7 @@ def validate(
         max_lora=msg.max_lora if msg.HasField("max_lora") and msg.max_lora <= MAX_LORA_SLOTS else None,
         gpu_utilization=_fraction(msg, "gpu_utilization"),
         gpu_memory_usage=_fraction(msg, "gpu_memory_usage"),
+        prefill_tokens_per_s=_prefill_rate(msg),
     )
 
 
@@ -183,6 +186,14 @@ def _fraction(msg: spb.UpstreamSnapshot, name: str) -> float | None:
         return None
     v = getattr(msg, name)
     return v if math.isfinite(v) and 0.0 <= v <= 1.0 else None
+
+
+def _prefill_rate(msg: spb.UpstreamSnapshot) -> float | None:
+    """A measured prefill rate readers can divide by: positive and finite, or None (not known)."""
+    if not msg.HasField("prefill_tokens_per_s"):
+        return None
+    v = msg.prefill_tokens_per_s
+    return v if math.isfinite(v) and 0.0 < v <= MAX_PREFILL_TOKENS_PER_S else None
 
 
 def _seconds(msg: spb.UpstreamSnapshot, name: str) -> float | None:

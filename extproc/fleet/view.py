@@ -73,6 +73,9 @@ class Load:
     gpu_memory_usage: float | None = None  # the fullest GPU's, 0..1
     ttft_s: float | None = None  # engine-reported mean TTFT over the last publish interval, averaged
     tpot_s: float | None = None  # over the instances that report it; None: none does
+    # Measured prefill throughput (uncached prompt tokens/s), summed over the instances (those not
+    # measured yet counted at the measured ones' mean); None: no instance here is measured yet.
+    prefill_tokens_per_s: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -295,6 +298,7 @@ class _ExtraSignals(TypedDict):
     gpu_memory_usage: float | None
     ttft_s: float | None
     tpot_s: float | None
+    prefill_tokens_per_s: float | None
 
 
 def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
@@ -305,6 +309,7 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
     memory: list[float] = []
     ttft: list[float] = []
     tpot: list[float] = []
+    prefill: list[float] = []
     for i in insts:
         adapters.update(i.lora_adapters)
         if i.max_lora is not None:
@@ -318,6 +323,8 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
             ttft.append(i.ttft_s)
         if i.tpot_s is not None:
             tpot.append(i.tpot_s)
+        if i.prefill_tokens_per_s is not None:
+            prefill.append(i.prefill_tokens_per_s)
     return {
         "lora_adapters": frozenset(adapters),
         "lora_slots": slots,
@@ -326,6 +333,7 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
         "gpu_memory_usage": max(memory) if memory else None,
         "ttft_s": sum(ttft) / len(ttft) if ttft else None,
         "tpot_s": sum(tpot) / len(tpot) if tpot else None,
+        "prefill_tokens_per_s": sum(prefill) * len(insts) / len(prefill) if prefill else None,
     }
 
 

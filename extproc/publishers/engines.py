@@ -43,6 +43,8 @@ class EngineLoad:
     ttft_count: float | None = None
     tpot_sum: float | None = None
     tpot_count: float | None = None
+    prompt_tokens: float | None = None  # prompt tokens processed (cached ones too where the table says)
+    prefill_seconds: float | None = None  # summed per-request prefill time
     models: list[str] = field(default_factory=list)  # from the engine's own series only
     lora_adapters: list[str] = field(default_factory=list)  # running or waiting, newest report
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (field, reason) per unusable value
@@ -97,6 +99,12 @@ class EngineMetrics:
     prefix_cache_hit_rate: Candidates = ()
     ttft: Candidates = ()  # histogram, seconds -> ttft_sum / ttft_count
     tpot: Candidates = ()  # histogram, seconds -> tpot_sum / tpot_count
+    # Measured prefill throughput (publishers/prefill_rate.py): a prompt-token counter and a counter of
+    # prefill seconds (a histogram's `_sum` sample reads as one); `prompt_tokens_cached`: the prompt
+    # counter includes prefix-cache hits, which are subtracted (prefix_cache_hits).
+    prompt_tokens: Candidates = ()
+    prefill_seconds: Candidates = ()
+    prompt_tokens_cached: bool = True
     model_labels: tuple[str, ...] = ()  # labels naming the served model, first present wins
     lora_info: tuple[str, ...] = ()  # info gauges listing LoRA adapters (vLLM's lora_requests_info)
     metrics_path: str = "/metrics"  # where the engine serves Prometheus text by default
@@ -118,6 +126,9 @@ class EngineMetrics:
 #   protocol, docs/proposals/003-model-server-protocol, reads it the same way). Newest series wins.
 #   max_lora ("the maximum number of adapters that can be loaded to GPU memory to serve a batch", same
 #   protocol document) is read as the adapter slots (the largest over the series: it is configuration).
+# - prompt_tokens_total counts every prompt token, cached ones included (prefix_cache_hits_total is
+#   subtracted for the prefill rate); request_prefill_time_seconds is the per-request time from first
+#   scheduled to first token (V1 "PREFILL phase", docs/design/metrics.md), its `_sum` read as a counter.
 # Not offered: kv_blocks_free (usage x total is the caller's estimate), max_model_len, gpu_utilization.
 _VLLM = EngineMetrics(
     num_running=_m("vllm:num_requests_running"),
@@ -130,6 +141,8 @@ _VLLM = EngineMetrics(
     prefix_cache_hit_rate=_m("vllm:gpu_prefix_cache_hit_rate"),
     ttft=_m("vllm:time_to_first_token_seconds"),
     tpot=_m("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    prompt_tokens=_m("vllm:prompt_tokens_total"),
+    prefill_seconds=_m("vllm:request_prefill_time_seconds_sum"),
     model_labels=("model_name",),
     lora_info=("vllm:lora_requests_info",),
     max_lora=_m("vllm:lora_requests_info", label="max_lora"),
@@ -175,11 +188,16 @@ _SGLANG = EngineMetrics(
 # metrics handler in tools/server/server.cpp / server-context.cpp; no labels, one model per server.
 # - kv_cache_usage_ratio (0..1) was removed with kv_cache_tokens in llama.cpp PR #13660 (May 2025);
 #   current builds publish no KV signal (PR #24010 proposes new ones).
+# - prompt_tokens_total / prompt_seconds_total: prompt tokens the server evaluated and the time it
+#   took (cached prompt tokens are not evaluated, so not counted): the prefill rate directly.
 # Not offered: KV blocks, block size, max_model_len, gpu_utilization, prefix cache, TTFT, TPOT.
 _LLAMACPP = EngineMetrics(
     num_running=_m("llamacpp:requests_processing"),
     num_waiting=_m("llamacpp:requests_deferred"),
     kv_cache_usage=_m("llamacpp:kv_cache_usage_ratio"),
+    prompt_tokens=_m("llamacpp:prompt_tokens_total"),
+    prefill_seconds=_m("llamacpp:prompt_seconds_total"),
+    prompt_tokens_cached=False,
 )
 
 # Hugging Face TGI. Source: https://huggingface.co/docs/text-generation-inference/reference/metrics
@@ -263,7 +281,7 @@ _INT_FIELDS = frozenset(
     {"kv_blocks_total", "kv_blocks_free", "kv_tokens_total", "block_size", "max_model_len", "max_lora"}
 )
 _HISTOGRAMS = ("ttft", "tpot")
-_NOT_SCALARS = {*_HISTOGRAMS, "model_labels", "lora_info", "metrics_path"}
+_NOT_SCALARS = {*_HISTOGRAMS, "model_labels", "lora_info", "metrics_path", "prompt_tokens_cached"}
 _SCALARS = tuple(f.name for f in fields(EngineMetrics) if f.name not in _NOT_SCALARS)
 _LORA_LABELS = ("running_lora_adapters", "waiting_lora_adapters")
 

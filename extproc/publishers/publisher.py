@@ -43,6 +43,7 @@ from extproc.fleet.snapshots import (
 from extproc.publishers.engines import ENGINE_METRICS, EngineLoad, GpuReading, normalize, normalize_dcgm
 from extproc.publishers.kv_events import KvEventsRelay, KvEventsSpec, kv_events_spec
 from extproc.publishers.metrics import MetricsEndpoint, PublisherMetrics
+from extproc.publishers.prefill_rate import PrefillRate
 from extproc.settings import (
     DEFAULT_DISCOVERY_INTERVAL_S,
     DEFAULT_PUBLISH_INTERVAL_S,
@@ -150,6 +151,7 @@ class _Previous:
     ttft: tuple[float, float] | None = None
     tpot: tuple[float, float] | None = None
     prefix: tuple[float, float] | None = None
+    prefill: PrefillRate = field(default_factory=PrefillRate)
 
 
 @dataclass(slots=True)
@@ -267,6 +269,10 @@ class Publisher:
         self.kv_events: KvEventsRelay | None = None  # per-instance KV-event subscriptions, while running
         self._discovery_ok = True
         self._discovered = False
+
+    def ready_instances(self) -> int:
+        """Instances whose last published snapshot said READY (for launchers waiting on a fleet)."""
+        return sum(prev.readiness == spb.READY for prev in self._prev.values())
 
     # -- supervision -------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None) -> None:
@@ -736,6 +742,13 @@ def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) ->
         rate = load.prefix_cache_hit_rate
     if rate is not None and math.isfinite(rate):
         snap.prefix_cache_hit_rate = min(1.0, max(0.0, rate))
+    # A prompt counter that includes cache hits is usable only with the hits to subtract.
+    row = ENGINE_METRICS.get(snap.engine)
+    cached = None if row is None else load.prefix_cache_hits if row.prompt_tokens_cached else 0.0
+    if cached is not None:
+        prev.prefill.update(load.prompt_tokens, cached, load.prefill_seconds)
+    if prev.prefill.estimate is not None:  # the last figure stands while nothing new is measured
+        snap.prefill_tokens_per_s = prev.prefill.estimate
     return rejected
 
 

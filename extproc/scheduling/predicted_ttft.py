@@ -27,8 +27,10 @@ engines, and a new prefix is placed as sglang-router's smallest-tree rule places
   drains in real time at `rate(u)`. Snapshots correct it: an engine that reports no waiting request
   cannot have more queued than what was sent after the snapshot; one reporting W waiting has at least
   W average prefills queued.
-- `rate(u)` is `prefill_tokens_per_s` x the upstream's capacity weight (heterogeneous GPUs), a per-GPU
-  figure until engines publish a measured one.
+- `rate(u)` is `prefill_tokens_per_s` x the upstream's capacity weight x how much faster than the
+  slowest candidate its engine's measured prefill throughput is (snapshots' `prefill_tokens_per_s`,
+  from the engines' counters: publishers/prefill_rate.py), so GPUs of different speeds get their
+  share without hand-set weights (see `_rates`).
 
 Scores are `(best + eps) / (ttft(u) + eps)`: 1 for the best candidate, falling with predicted delay.
 """
@@ -71,6 +73,7 @@ class _Prediction:
     hashes: list[bytes] = field(default_factory=list)
     tokens: int = 0
     uncached: dict[str, int] = field(default_factory=dict)
+    rates: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per candidate
 
 
 @SCORERS.register("predicted-ttft")
@@ -98,6 +101,8 @@ class PredictedTtftScorer:
     # including its KV reads, x the ~2-3 steps a first token spans, x prefill tokens per second).
     decode_tokens_per_running: float = 8.0
     footprint_weight: float = 0.25  # x this prompt's prefill x the cache's fill, for a prefix no one holds
+    measured_rate: bool = True  # use the engines' measured prefill throughput where published
+    rate_tolerance: float = 1.5  # measured rates this close to each other are one GPU type
     room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
     eps_s: float = 0.005
     _models: dict[str, _UpstreamModel] = field(init=False, default_factory=dict)
@@ -108,11 +113,15 @@ class PredictedTtftScorer:
     _outbox: Outbox = field(init=False, default_factory=Outbox)
     _serial: int = field(init=False, default=0)
     _remote: dict[str, dict[int, tuple[str, Placement]]] = field(init=False, default_factory=dict)
+    _rates_key: tuple[tuple[str, float, float | None], ...] = field(init=False, default=())
+    _rates_cache: dict[str, float] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "block_tokens", "max_blocks", "default_kv_tokens"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"'{name}' must be positive")
+        if not self.rate_tolerance >= 1.0:
+            raise ValueError("'rate_tolerance' must be >= 1")
         if not 0.0 <= self.copy_discount <= 1.0:
             raise ValueError("'copy_discount' must be in [0, 1]")
         for name in (
@@ -222,13 +231,15 @@ class PredictedTtftScorer:
         predicted: list[float] = []
         own: list[float] = []
         pred.uncached = {}
+        pred.rates = rates = self._rates(candidates, loads)
         new_output = math.ceil(self._output_tokens(request) / bt)
         best_matched = max(matched)
         running_all = [self._running(u, load, state) for u, load in zip(candidates, loads, strict=True)]
         # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
         holder_running = min(r for r, m in zip(running_all, matched, strict=True) if m == best_matched)
-        for u, model, load, m, running in zip(candidates, models, loads, matched, running_all, strict=True):
-            rate = self.prefill_tokens_per_s * u.weight
+        for u, model, load, m, running, rate in zip(
+            candidates, models, loads, matched, running_all, rates.values(), strict=True
+        ):
             uncached = pred.tokens - min(m * bt, pred.tokens - 1)
             pred.uncached[u.id] = uncached
             ttft = self._wait(model, load, now) + uncached / rate
@@ -257,15 +268,51 @@ class PredictedTtftScorer:
             predicted.append(ttft)
         return own, predicted
 
+    def _rates(self, candidates: Sequence[Upstream], loads: Sequence[Load | None]) -> dict[str, float]:
+        """Prefill tokens/s per candidate: `prefill_tokens_per_s` x capacity weight, times how much
+        faster than the slowest candidate the engines' measured rates say it is.
+
+        Measured rates within `rate_tolerance` of each other are taken for one GPU type measured
+        with noise (busy intervals read low) and share their group's median, so identical engines
+        are never told apart by noise (they keep the configured rate, as without measurements)
+        while an H100 next to an A10G (~14x) gets its share. The absolute figure stays the
+        configured one, which errs low on purpose (docs/tuning.md). An upstream not measured yet
+        counts as the fastest group: optimistic, because one taken for slow would get too little
+        traffic ever to be measured (a slow one is measured soonest)."""
+        key = tuple(
+            (u.id, u.weight, None if load is None else load.prefill_tokens_per_s)
+            for u, load in zip(candidates, loads, strict=True)
+        )
+        if key == self._rates_key:
+            return self._rates_cache
+        speed: dict[str, float] = {}
+        if self.measured_rate:
+            for u, load in zip(candidates, loads, strict=True):
+                if load is not None and load.prefill_tokens_per_s:
+                    speed[u.id] = load.prefill_tokens_per_s / u.weight
+        fastest = 1.0
+        if speed:
+            speed = _grouped(speed, self.rate_tolerance)
+            slowest = min(speed.values())
+            speed = {uid: r / slowest for uid, r in speed.items()}
+            fastest = max(speed.values())
+        base = self.prefill_tokens_per_s
+        rates = {u.id: base * u.weight * speed.get(u.id, fastest) for u in candidates}
+        self._rates_key, self._rates_cache = key, rates
+        return rates
+
     def on_pick(self, request: InferenceRequest, upstream: Upstream, state: FleetState) -> None:
         pred = self._predict(request)
         now = state.now()
-        model = self._model(upstream.id, state.load(upstream.id))
+        load = state.load(upstream.id)
+        model = self._model(upstream.id, load)
         uncached = pred.uncached.get(upstream.id)
-        if uncached is None:  # picked without scoring (a single candidate)
+        rate = pred.rates.get(upstream.id)
+        if uncached is None or rate is None:  # picked without scoring (a single candidate)
             cached = self._matched(request, pred.hashes, model, upstream.id, state) * self.block_tokens
             uncached = pred.tokens - min(cached, pred.tokens - 1)
-        prefill_s = uncached / (self.prefill_tokens_per_s * upstream.weight)
+            rate = self._rates((upstream,), (load,))[upstream.id]
+        prefill_s = uncached / rate
         model.busy_until = max(now, model.busy_until) + prefill_s
         model.sent.append((now, prefill_s))
         model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1
@@ -396,3 +443,18 @@ class PredictedTtftScorer:
 
     def index_sizes(self) -> dict[str, int]:
         return {uid: m.cache.used_blocks for uid, m in self._models.items()}
+
+
+def _grouped(rates: dict[str, float], tolerance: float) -> dict[str, float]:
+    """Rates sorted and split where one is more than `tolerance` x the previous; each group's
+    members get the group's median."""
+    ordered = sorted(rates.items(), key=lambda kv: kv[1])
+    out: dict[str, float] = {}
+    group: list[tuple[str, float]] = [ordered[0]]
+    for item in ordered[1:]:
+        if item[1] > group[-1][1] * tolerance:
+            out.update(dict.fromkeys((k for k, _ in group), group[len(group) // 2][1]))
+            group = []
+        group.append(item)
+    out.update(dict.fromkeys((k for k, _ in group), group[len(group) // 2][1]))
+    return out

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -451,7 +452,12 @@ async def _start_target(
         stops.append(stop_publisher)
         gw.start()
         stops.append(gw.stop)
-        await asyncio.sleep(1.5)  # first snapshots in
+        # Every engine published READY (a fixed sleep was too short on a loaded machine: requests
+        # sent before got 503s), then one more interval for the service's feed to apply it.
+        deadline = time.monotonic() + 30.0
+        while publisher.ready_instances() < len(clusters) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
         return gw.url
     if policy.startswith("envoy-"):
         lb = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST"}[policy]

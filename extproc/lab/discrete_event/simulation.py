@@ -49,6 +49,7 @@ from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.lifecycle.admission import Verdict, Waiter
 from extproc.openai import InferenceRequest, RequestError, RequestHead
 from extproc.openai.parse import parse_head
+from extproc.publishers.prefill_rate import PrefillRate
 from extproc.server.sync import ReplicaSync
 from extproc.settings import DEFAULT_PROFILE
 from extproc.telemetry import Metrics
@@ -260,11 +261,16 @@ class ExtprocPolicy:
             priority_header="x-llm-priority",
         )
         self.sequence = 0
+        self._prefill_rates = [PrefillRate() for _ in fleet.engines]
 
     def publish(self, now: float, ttl_s: float) -> None:
         """What `llm-extproc publish` would write for every engine at `now`, through decode()."""
         for i, e in enumerate(self.fleet.engines):
             self.sequence += 1
+            # The publisher's estimate from the counters a scrape would read (vLLM's names).
+            rate = self._prefill_rates[i].update(
+                e.prompt_tokens_total, e.prefix_cache_hits, e.prefill_time_sum
+            )
             snap = spb.UpstreamSnapshot(
                 upstream_id=f"engine-{i}/10.0.{i // 250}.{i % 250 + 1}:8000",
                 cluster=f"engine-{i}",
@@ -283,6 +289,8 @@ class ExtprocPolicy:
                 published_at_ms=int(now * 1000) + 1,
                 ttl_ms=max(100, int(ttl_s * 1000)),
             )
+            if rate is not None:
+                snap.prefill_tokens_per_s = rate
             data = snap.SerializeToString()
             for replica in self.replicas:
                 replica.view.apply(decode(data, replica.view.known_clusters, now=now))

@@ -226,6 +226,7 @@ class _Seq:
     cached_tokens: int | None = None
     preemptions: int = 0
     first_token_at: float | None = None
+    scheduled_at: float | None = None  # start of the step that first ran it (vLLM's prefill phase start)
 
 
 def next_token(last_token: int, position: int) -> int:
@@ -262,6 +263,8 @@ class EngineModel:
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of which served from the cache
         self.prompt_tokens_total = 0
+        self.prefill_time_sum = 0.0  # seconds from first scheduled to first token, summed over requests
+        self.prefill_count = 0
         self.generation_tokens_total = 0
         self.requests_finished = 0
         self.requests_aborted = 0
@@ -349,6 +352,8 @@ class EngineModel:
                 self._waiting.popleft()
                 self._waiting_tokens -= len(seq.tokens)
                 self._running.append(seq)
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = now
                 result.admitted.append(seq.request_id)
                 scheduled.append((seq, n))
                 budget -= n
@@ -381,6 +386,9 @@ class EngineModel:
             if seq.first_token_at is None:
                 seq.first_token_at = end
                 self.prompt_tokens_total += seq.prompt_len
+                # vLLM's request_prefill_time_seconds: first scheduled to first token.
+                self.prefill_time_sum += end - (seq.scheduled_at if seq.scheduled_at is not None else now)
+                self.prefill_count += 1
                 result.first_tokens.append(FirstTokenEvent(seq.request_id, end - seq.submitted_at))
             if seq.output_count >= seq.max_tokens:
                 result.finished.append(self._finish(seq, end))

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from extproc.lab.engines.driver import ModelDriver
@@ -44,6 +44,15 @@ class EngineStats:
     completed: int = 0
     disconnected: int = 0
     hung_requests: int = 0  # API requests accepted while `hung` and never answered
+    # vLLM's counters for the fixed-cost engine (the engine model keeps its own): no prefix cache,
+    # and a prefill is the prompt's share of the delay.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    preemptions_total: int = 0
+    prefill_count: int = 0
+    prefill_time_sum: float = 0.0
     routing_headers: list[dict[str, str]] = field(default_factory=list)
 
 
@@ -212,7 +221,14 @@ class SimEngine:
         arrived: float,
     ) -> web.StreamResponse:
         # Prefill: a cost proportional to the prompt, capped so huge test prompts stay quick.
+        started = time.perf_counter()
         await asyncio.sleep(min(self.token_delay_s * size / 256, 0.5))
+        s = self.stats
+        s.prompt_tokens_total += prompt_tokens
+        s.prefix_cache_queries += prompt_tokens
+        s.prefill_count += 1
+        s.prefill_time_sum += time.perf_counter() - started + self.token_delay_s
+        s.generation_tokens_total += n_tokens
         self._ttft.observe(time.perf_counter() - arrived + self.token_delay_s)
         if doc.get("stream"):
             return await self._stream(request, doc, chat, n_tokens, prompt_tokens)
@@ -468,8 +484,9 @@ class SimEngine:
         if driver is not None:
             kv.labels(**labels).set_function(lambda: driver.model.kv_usage)
             block_size, blocks = driver.model.profile.block_size, driver.model.profile.num_gpu_blocks
-            self.registry.register(_PrefixCacheCollector(driver.model, labels))
+            self.registry.register(_PrefixCacheCollector(driver.model, labels, driver.time_scale))
         else:
+            self.registry.register(_PrefixCacheCollector(self.stats, labels))
             kv.labels(**labels).set_function(lambda: min(1.0, self.stats.running / slots))
             block_size, blocks = 16, SIM_GPU_BLOCKS
         info_labels = {**labels, "block_size": str(block_size), "num_gpu_blocks": str(blocks)}
@@ -511,11 +528,15 @@ class SimEngine:
 
 
 class _PrefixCacheCollector(Collector):
-    """vLLM's cumulative prefix-cache and token counters, read from the engine model at scrape time."""
+    """vLLM's cumulative prefix-cache, token and prefill-time counters, read from the engine model (or
+    the fixed-cost engine's stats) at scrape time."""
 
-    def __init__(self, model: EngineModel, labels: dict[str, str]) -> None:
+    def __init__(
+        self, model: EngineModel | EngineStats, labels: dict[str, str], time_scale: float = 1.0
+    ) -> None:
         self.model = model
         self.labels = labels
+        self.time_scale = time_scale  # times are exported in real seconds, as the TTFT histogram is
 
     def collect(self) -> Iterator[Metric]:
         names, values = list(self.labels), list(self.labels.values())
@@ -537,11 +558,23 @@ class _PrefixCacheCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=names)
             family.add_metric(values, value)
             yield family
-        free = GaugeMetricFamily(
-            "llm_extproc_sim_free_blocks", "Free KV blocks (simulator only).", labels=names
+        # Per-request prefill phase, first scheduled to first token: only the sum and count are
+        # modelled, so one +Inf bucket (valid exposition; the publisher reads _sum for its rate).
+        prefill = HistogramMetricFamily(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            labels=names,
         )
-        free.add_metric(values, self.model.free_blocks)
-        yield free
+        prefill.add_metric(
+            values, [("+Inf", self.model.prefill_count)], self.model.prefill_time_sum / self.time_scale
+        )
+        yield prefill
+        if isinstance(self.model, EngineModel):
+            free = GaugeMetricFamily(
+                "llm_extproc_sim_free_blocks", "Free KV blocks (simulator only).", labels=names
+            )
+            free.add_metric(values, self.model.free_blocks)
+            yield free
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -1,0 +1,77 @@
+"""An instance's measured prefill throughput, from its engine's cumulative counters.
+
+Each scrape gives one sample over the requests whose prefill ended since the last one:
+
+    (prompt tokens - prompt tokens served from the prefix cache) / prefill seconds
+
+The prefill seconds are the engine's per-request "first scheduled to first token" times (vLLM's
+`request_prefill_time_seconds`): prompts prefilled in the same steps each count the shared time, and
+steps that also decode count whole, so a busy interval's sample is low, by as much as the overlap.
+The estimate is therefore an upper quantile of the recent samples, the rate seen when prefills ran
+with little company (what `predicted-ttft` wants: it counts the queue and the decode load itself);
+not the maximum, because the hit counter moves at admission and the prompt counter at the first
+token, so a sample can be credited tokens whose cache hits fell in the previous one. In the
+discrete-event mode this lands at ~0.7-0.9x of the simulated GPU's compute-bound rate, the same on
+H100s and A10Gs. `predicted-ttft` (scheduling/predicted_ttft.py) divides uncached tokens by it: GPUs
+of different speeds in one pool get their share without a hand-set `capacity_weight`.
+
+An engine measured slow may then get no traffic at all (a slowdown, since repaired, or just the
+slow GPU of a mixed pool at low load), and only traffic can measure it again. So a figure no
+prefill has refreshed for `stale_after` scrapes relaxes: it doubles, up to the best this instance
+has ever shown, and again every `stale_after` idle scrapes. A repaired engine is sent work again
+step by step and its next samples tell; a slower GPU never claims more than it has shown, so it is
+not flooded (withdrawing the figure, which the scheduler reads as "fast until measured", was tried:
+it sent bursts to idle A10Gs next to H100s, TTFT p99 0.1 -> 0.5-3 s in the mixed grid cells).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from extproc.fleet.snapshots import MAX_PREFILL_TOKENS_PER_S
+
+
+@dataclass(slots=True)
+class PrefillRate:
+    window: int = 20  # samples remembered (10 s at the default 0.5 s interval, while prefilling)
+    quantile: float = 0.8
+    stale_after: int = 40  # scrapes without a prefill (20 s at the default 0.5 s interval)
+    estimate: float | None = None
+    best: float = 0.0  # the highest estimate so far: what relaxing may return to
+    _idle: int = 0  # scrapes since the last sample (or the last relaxation)
+    _prev: tuple[float, float, float] | None = None  # (prompt tokens, cached tokens, prefill seconds)
+    _samples: deque[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._samples = deque(maxlen=self.window)
+
+    def update(
+        self, prompt_tokens: float | None, cached_tokens: float, prefill_s: float | None
+    ) -> float | None:
+        """Feed one scrape's counters; the current estimate (None until a prefill was seen).
+
+        `cached_tokens` is 0 for engines whose prompt counter leaves cached tokens out already
+        (llama.cpp). Counters that go backwards (a restart) restart the deltas, not the estimate:
+        the GPU is the same."""
+        if prompt_tokens is None or prefill_s is None:
+            return self.estimate
+        now = (prompt_tokens, cached_tokens, prefill_s)
+        prev, self._prev = self._prev, now
+        if prev is None or any(n < p for n, p in zip(now, prev, strict=True)):
+            return self.estimate
+        seconds = now[2] - prev[2]
+        if seconds <= 0.0:  # no prefill ended since the last scrape
+            self._idle += 1
+            if self._idle >= self.stale_after and self.estimate is not None:
+                self._idle = 0
+                self.estimate = min(self.best, self.estimate * 2.0)
+                self._samples.clear()  # new samples, not the slow ones, decide from here
+            return self.estimate
+        self._idle = 0
+        tokens = max(0.0, (now[0] - prev[0]) - (now[1] - prev[1]))
+        self._samples.append(min(tokens / seconds, MAX_PREFILL_TOKENS_PER_S))
+        ranked = sorted(self._samples)
+        self.estimate = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))] or None
+        self.best = max(self.best, self.estimate or 0.0)
+        return self.estimate

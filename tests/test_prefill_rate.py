@@ -1,0 +1,80 @@
+"""The publisher's measured prefill throughput (publishers/prefill_rate.py), against counters whose
+true rate is known, and against the simulated engine's own counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.lab.engines.model import EngineModel
+from extproc.lab.engines.profiles import A10G_LLAMA3_8B, H100_LLAMA3_8B
+from extproc.publishers.prefill_rate import PrefillRate
+
+
+def test_no_estimate_before_a_delta_then_the_ratio_of_deltas() -> None:
+    r = PrefillRate()
+    assert r.update(1_000, 0, 1.0) is None  # the first scrape only sets the baseline
+    assert r.update(1_000, 0, 1.0) is None  # nothing prefilled since
+    assert r.update(3_000, 500, 2.0) == pytest.approx(1_500)  # (2000 - 500) tokens in 1 s
+
+
+def test_an_upper_quantile_of_recent_samples_and_a_slowdown_is_followed() -> None:
+    r = PrefillRate(window=10, quantile=0.8)
+    tokens, seconds = 0.0, 0.0
+    r.update(tokens, 0, seconds)
+    for i in range(10):  # alone the GPU prefills 4k tokens/s; busy intervals look slower (overlap)
+        tokens, seconds = tokens + (4_000 if i % 3 == 0 else 1_000), seconds + 1.0
+        r.update(tokens, 0, seconds)
+    assert r.estimate == pytest.approx(4_000)
+    for _ in range(10):  # then the GPU slows to 1k tokens/s
+        tokens, seconds = tokens + 1_000, seconds + 1.0
+        r.update(tokens, 0, seconds)
+    assert r.estimate == pytest.approx(1_000)
+
+
+def test_a_restart_keeps_the_estimate_and_restarts_the_deltas() -> None:
+    r = PrefillRate()
+    r.update(0, 0, 0.0)
+    r.update(2_000, 0, 1.0)
+    assert r.update(10, 0, 0.01) == pytest.approx(2_000)  # counters went backwards: no sample
+    assert r.update(2_010, 0, 1.01) == pytest.approx(2_000)
+
+
+def test_an_idle_figure_relaxes_towards_the_best_shown_and_no_further() -> None:
+    r = PrefillRate(stale_after=2, window=4, quantile=0.5)
+    tokens, seconds = 0.0, 0.0
+    r.update(tokens, 0, seconds)
+    for rate in (3_000, 3_000, 1_000, 1_000, 1_000, 1_000):  # a slowdown: 3k, then 1k tokens/s
+        tokens, seconds = tokens + rate, seconds + 1.0
+        r.update(tokens, 0, seconds)
+    assert (r.estimate, r.best) == (1_000, 3_000)
+    # No prefill since (the scheduler avoids it): every 2 idle scrapes the figure doubles, to 3k.
+    assert [r.update(tokens, 0, seconds) for _ in range(6)] == [1_000, 2_000, 2_000, 3_000, 3_000, 3_000]
+    # Still slow when tried: the first new sample says so (the old ones went with the relaxation).
+    assert r.update(tokens + 1_000, 0, seconds + 1.0) == pytest.approx(1_000)
+
+
+def test_missing_counters_and_a_window_of_only_cached_tokens_change_nothing() -> None:
+    r = PrefillRate()
+    r.update(0, 0, 0.0)
+    r.update(1_000, 0, 0.5)
+    assert r.update(None, 0, 0.6) == pytest.approx(2_000)
+    assert r.update(1_000, 0, None) == pytest.approx(2_000)
+    assert r.update(1_000, 0, 0.5) == pytest.approx(2_000)  # no prefill ended: no sample
+
+
+@pytest.mark.parametrize("profile", [A10G_LLAMA3_8B, H100_LLAMA3_8B], ids=["a10g", "h100"])
+def test_simulated_engine_counters_give_its_compute_rate_within_a_factor(profile) -> None:  # type: ignore[no-untyped-def]
+    """One prompt at a time: the measured rate is the GPU's prefill rate less the steps' fixed
+    costs; the figure errs low, never high."""
+    engine = EngineModel(profile)
+    rate = PrefillRate()
+    rate.update(engine.prompt_tokens_total, engine.prefix_cache_hits, engine.prefill_time_sum)
+    now = 0.0
+    for i in range(8):
+        engine.submit(f"r{i}", [(i * 7919 + k) % 30_000 + 1 for k in range(2_000)], 1, now)
+        while (step := engine.step(now)) is not None:
+            now = step.ended_at
+        rate.update(engine.prompt_tokens_total, engine.prefix_cache_hits, engine.prefill_time_sum)
+    true_rate = 1 / profile.prefill_s_per_token
+    assert rate.estimate is not None
+    assert 0.5 * true_rate < rate.estimate <= true_rate
