@@ -29,10 +29,11 @@ HEAD = parse_head(
 TENANTS = {name: f"Tenant {name} system prompt, words of its own. " * 120 for name in "ABCDEFGH"}  # ~1.4k tok
 
 
-def lifecycle(n: int, view: FleetView | None = None, **params: Any) -> RequestLifecycle:
-    cfg = config_from_dict(
+def config(names: list[str], **params: Any) -> Any:
+    """One cluster per name serving "m"; the profile is predicted-ttft with `params`, seeded."""
+    return config_from_dict(
         {
-            "pool": {"clusters": [{"name": f"c{i}", "models": ["m"]} for i in range(n)]},
+            "pool": {"clusters": [{"name": name, "models": ["m"]} for name in names]},
             "metrics_listen": None,
             "scheduling": {
                 "profiles": {
@@ -44,7 +45,11 @@ def lifecycle(n: int, view: FleetView | None = None, **params: Any) -> RequestLi
             },
         }
     )
-    return RequestLifecycle(cfg, Metrics(["m"], [f"c{i}" for i in range(n)]), view)
+
+
+def lifecycle(n: int, view: FleetView | None = None, **params: Any) -> RequestLifecycle:
+    names = [f"c{i}" for i in range(n)]
+    return RequestLifecycle(config(names, **params), Metrics(["m"], names), view)
 
 
 def body(system: str, q: int) -> bytes:
@@ -147,21 +152,7 @@ def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
 
 
 def _mixed_fleet(measured: dict[str, float], **params: Any) -> tuple[RequestLifecycle, FleetView]:
-    cfg_clusters = [{"name": name, "models": ["m"]} for name in ("fast", "slow", "new")]
-    cfg = config_from_dict(
-        {
-            "pool": {"clusters": cfg_clusters},
-            "metrics_listen": None,
-            "scheduling": {
-                "profiles": {
-                    "default": {
-                        "scorers": [{"name": "predicted-ttft", "params": params}],
-                        "picker": {"name": "max-score", "params": {"seed": 1}},
-                    }
-                }
-            },
-        }
-    )
+    cfg = config(["fast", "slow", "new"], **params)
     view = FleetView(cfg.pool, clock=lambda: NOW + 1)
     lc = RequestLifecycle(cfg, Metrics(["m"], ["fast", "slow", "new"]), view)
     view.own_count = lc.inflight.count
