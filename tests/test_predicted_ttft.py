@@ -183,6 +183,17 @@ def test_measured_prefill_rates_split_work_by_gpu_speed() -> None:
     assert abs(picks["fast"] - picks["new"]) <= 0.25 * (picks["fast"] + picks["new"])
 
 
+def test_rates_follow_new_snapshots() -> None:
+    lc, view = _mixed_fleet({"fast": 30_000.0, "slow": 3_000.0})
+    names = ("fast", "slow", "new")
+    assert _rates(lc, view, names)["slow"] == 2_000.0
+    view.apply(
+        snap("slow", kv_blocks_total=100_000, block_size=16, prefill_tokens_per_s=30_000.0, sequence=2)
+    )
+    view.rebuild()  # new Load objects: the cached rates are not reused
+    assert _rates(lc, view, names) == dict.fromkeys(names, 2_000.0)  # one GPU type now
+
+
 def test_identical_engines_measured_with_noise_keep_the_configured_rate() -> None:
     lc, view = _mixed_fleet({"fast": 2_400.0, "slow": 1_700.0, "new": 2_000.0}, prefill_tokens_per_s=1_500)
     assert _rates(lc, view, ("fast", "slow", "new")) == dict.fromkeys(("fast", "slow", "new"), 1_500.0)

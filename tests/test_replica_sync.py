@@ -126,6 +126,27 @@ def test_a_decision_on_one_replica_steers_the_other() -> None:
     assert {t: alone.route(t, q=1).upstream.cluster for t in TENANTS} != homes
 
 
+def test_agreement_is_one_when_shared_and_low_when_not() -> None:
+    """The sketch that follows each state dump: a replica that applied the other's decisions agrees
+    with it (1.0 for both plugins); one that heard nothing and routed prompts of its own does not."""
+    clock = Clock()
+    a, b, c = Replica("a", clock, seed=1), Replica("b", clock, seed=2), Replica("c", clock, seed=3)
+    for q, t in enumerate(TENANTS):
+        a.lifecycle.finish(a.route(t), "response_end")
+        text = f"Prompt {q} of c alone. " * 300
+        other = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]})
+        c.lifecycle.finish(c.lifecycle.route(HEAD, other), "response_end")  # its own prompts, unshared
+    send(a, b)
+    a.sync.state(), b.sync.state(), c.sync.state()  # each refreshes its sketch
+    send(a, b, c)  # the next message carries a's sketch
+    for key in b.sync.plugins:
+        assert b.sample("llm_extproc_sync_agreement", plugin=key) == 1.0
+        assert c.sample("llm_extproc_sync_agreement", plugin=key) < 0.7
+    # Sent once per state dump, not with every message.
+    send(a, b)
+    assert "a" not in msgpack.unpackb(a.sync.outgoing(force=True) or b"\x80")
+
+
 def test_remote_in_flight_counts_and_pins_follow_the_origin_and_expire() -> None:
     clock = Clock()
     a, b = Replica("a", clock, seed=1), Replica("b", clock, seed=2)

@@ -113,7 +113,8 @@ class PredictedTtftScorer:
     _outbox: Outbox = field(init=False, default_factory=Outbox)
     _serial: int = field(init=False, default=0)
     _remote: dict[str, dict[int, tuple[str, Placement]]] = field(init=False, default_factory=dict)
-    _rates_key: tuple[tuple[str, float, float | None], ...] = field(init=False, default=())
+    _rates_key: tuple[tuple[int, ...], tuple[int, ...]] = field(init=False, default=((), ()))
+    _rates_held: tuple[tuple[Upstream, ...], tuple[Load | None, ...]] = field(init=False, default=((), ()))
     _rates_cache: dict[str, float] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -279,10 +280,9 @@ class PredictedTtftScorer:
         configured one, which errs low on purpose (docs/tuning.md). An upstream not measured yet
         counts as the fastest group: optimistic, because one taken for slow would get too little
         traffic ever to be measured (a slow one is measured soonest)."""
-        key = tuple(
-            (u.id, u.weight, None if load is None else load.prefill_tokens_per_s)
-            for u, load in zip(candidates, loads, strict=True)
-        )
+        # Upstreams and loads are immutable and replaced when the view is rebuilt: the same objects
+        # give the same rates. The cache holds them, so their ids cannot be reused meanwhile.
+        key = (tuple(map(id, candidates)), tuple(map(id, loads)))
         if key == self._rates_key:
             return self._rates_cache
         speed: dict[str, float] = {}
@@ -299,6 +299,7 @@ class PredictedTtftScorer:
         base = self.prefill_tokens_per_s
         rates = {u.id: base * u.weight * speed.get(u.id, fastest) for u in candidates}
         self._rates_key, self._rates_cache = key, rates
+        self._rates_held = (tuple(candidates), tuple(loads))
         return rates
 
     def on_pick(self, request: InferenceRequest, upstream: Upstream, state: FleetState) -> None:

@@ -14,7 +14,11 @@ Counts are full counts (a lost message costs nothing once the next arrives); upd
 shared plugins' picks and finishes (framework.SharedPlugin). A skipped sequence number means records
 were lost: the receiver releases what that replica had pinned (its finishes may be among the lost).
 Every `state_interval_s` each replica also SETs its plugins' dumps (`<prefix>:sync:state:<replica>`,
-TTL 3 intervals); a replica that starts late, or reconnects, loads the freshest one.
+TTL 3 intervals); a replica that starts late, or reconnects, loads the freshest one. The next message
+after that carries `"a"`, a sketch of the same dumps (per plugin and upstream, the FINGERPRINT_K
+smallest of the held block hashes whose first byte is below FINGERPRINT_BYTE: a bottom-k sample);
+receivers compare it with their own and set `llm_extproc_sync_agreement{plugin}`, the estimated
+Jaccard similarity of the two replicas' indexes averaged over upstreams: 1.0 when they agree.
 
 Nothing here is on the request path: plugins append records to in-memory outboxes and read in-memory
 tables; this task moves them. With Redis down each replica routes on its own view (counted).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import time
@@ -36,7 +41,7 @@ from extproc.config import SyncSettings
 from extproc.fleet import InFlight, RemoteInFlight
 from extproc.fleet.redis_feed import redis_client
 from extproc.scheduling import Profile, SharedPlugin
-from extproc.scheduling.sharing import RESET
+from extproc.scheduling.sharing import RESET, unpack_hashes
 from extproc.settings import RedisSettings
 from extproc.telemetry import Metrics
 
@@ -47,6 +52,10 @@ EXPIRE_TICK_S = 0.25
 MAX_STATE_BYTES = 32 * 1024 * 1024  # a dump larger than this is neither written nor read
 DEFAULT_SYNC = SyncSettings()
 MAX_COUNT = 1_000_000  # an in-flight count above this is not believed (as snapshots' bad_load)
+FINGERPRINT_K = 32  # hashes per plugin and upstream in an agreement sketch
+FINGERPRINT_BYTE = 32  # of 256: the share of held hashes the sketch samples from (1/8)
+FINGERPRINT_HASH_BYTES = 8  # a prefix of each hash is enough to compare
+MAX_FINGERPRINT_UPSTREAMS = 4096
 
 
 def shared_plugins(profiles: Mapping[str, Profile]) -> dict[str, SharedPlugin]:
@@ -87,6 +96,9 @@ class ReplicaSync:
         self._stopping = False
         self.connected = asyncio.Event()
         self.loaded_from: str | None = None  # the replica whose state this one started from
+        # This replica's agreement sketch, from its last state(), and whether the next message sends it.
+        self._fingerprint: dict[str, dict[str, list[bytes]]] = {}
+        self._send_fingerprint = False
         for plugin in self.plugins.values():
             plugin.take_updates()  # the outboxes record from now on: the first pick is shared too
 
@@ -105,8 +117,14 @@ class ReplicaSync:
         self._limit(updates)
         now = self.clock()
         self.seq += 1
-        message = {"r": self.replica, "s": self.seq, "t": now, "c": counts, "u": updates}
+        message: dict[str, Any] = {"r": self.replica, "s": self.seq, "t": now, "c": counts, "u": updates}
+        if self._send_fingerprint:
+            self._send_fingerprint = False
+            message["a"] = self._fingerprint
         data: bytes = msgpack.packb(message)
+        if len(data) > self.settings.max_message_bytes and "a" in message:
+            del message["a"]  # the sketch is the first thing to go (a big fleet): never the updates
+            data = msgpack.packb(message)
         if len(data) > self.settings.max_message_bytes:
             self._dropped(sum(len(v) for v in updates.values()))
             message["u"] = {key: [[RESET]] for key in updates}
@@ -182,6 +200,10 @@ class ReplicaSync:
             plugin = self.plugins.get(key) if isinstance(key, str) else None
             if plugin is not None and isinstance(records, list):
                 plugin.apply_updates(origin, records)
+        sketch = message.get("a")
+        if isinstance(sketch, dict) and self._fingerprint and self.metrics is not None:
+            for key, agreement in agreements(self._fingerprint, sketch).items():
+                self.metrics.sync_agreement.labels(plugin=key).set(agreement)
         self._count("received")
         if self.metrics is not None:
             self.metrics.sync_apply_lag.observe(max(0.0, self.clock() - sent_at))
@@ -206,8 +228,11 @@ class ReplicaSync:
         return gone
 
     def state(self) -> bytes:
-        """What a late-starting replica loads: every shared plugin's dump."""
+        """What a late-starting replica loads: every shared plugin's dump. Also refreshes this
+        replica's agreement sketch, sent with the next message."""
         dumps = {key: plugin.dump() for key, plugin in self.plugins.items()}
+        self._fingerprint = {key: fingerprint(dump) for key, dump in dumps.items()}
+        self._send_fingerprint = True
         return bytes(msgpack.packb({"r": self.replica, "t": self.clock(), "p": dumps}))
 
     def load_state(self, data: object) -> bool:
@@ -375,3 +400,38 @@ class ReplicaSync:
                 best = (float(t), value)
         if best is not None and self.load_state(best[1]):
             log.info("sync: loaded the shared state of replica %s", self.loaded_from)
+
+
+def fingerprint(dump: Any) -> dict[str, list[bytes]]:
+    """A plugin dump ({upstream: packed block hashes}) reduced to a bottom-k sketch per upstream."""
+    out: dict[str, list[bytes]] = {}
+    if not isinstance(dump, dict):
+        return out
+    for uid, blob in list(dump.items())[:MAX_FINGERPRINT_UPSTREAMS]:
+        hashes = unpack_hashes(blob)
+        if isinstance(uid, str) and hashes:
+            sampled = {h[:FINGERPRINT_HASH_BYTES] for h in hashes if h[0] < FINGERPRINT_BYTE}
+            out[uid] = heapq.nsmallest(FINGERPRINT_K, sampled)
+    return out
+
+
+def agreements(mine: Mapping[str, Mapping[str, list[bytes]]], theirs: Mapping[Any, Any]) -> dict[str, float]:
+    """Per plugin, the mean over upstreams (those either side holds blocks of) of the estimated
+    Jaccard similarity of two replicas' indexes: of the k smallest hashes of the union of the two
+    sketches, the share both sketches hold (the bottom-k estimator)."""
+    out: dict[str, float] = {}
+    for key, own in mine.items():
+        other = theirs.get(key)
+        if not isinstance(other, dict):
+            continue
+        scores = []
+        for uid in own.keys() | {u for u in other if isinstance(u, str)}:
+            a = set(own.get(uid, ()))
+            raw = other.get(uid, ())
+            b = {h for h in raw if isinstance(h, bytes)} if isinstance(raw, list) else set()
+            union = heapq.nsmallest(FINGERPRINT_K, a | b)
+            if union:
+                scores.append(sum(1 for h in union if h in a and h in b) / len(union))
+        if scores:
+            out[key] = sum(scores) / len(scores)
+    return out

@@ -199,6 +199,13 @@ class Metrics:
             "Other replicas heard from within sync.expire_s.",
             registry=self.registry,
         )
+        self.sync_agreement = Gauge(
+            "llm_extproc_sync_agreement",
+            "Estimated similarity (Jaccard, 0..1) of this replica's and the last reporting peer's "
+            "prefix indexes, averaged over upstreams (sampled every state interval).",
+            ["plugin"],
+            registry=self.registry,
+        )
         self.sync_index_blocks = Gauge(
             "llm_extproc_sync_index_blocks",
             "Prefix-cache blocks a shared scheduling plugin holds per upstream (sampled).",
