@@ -188,6 +188,7 @@ class _Replica:
     last_sent: float = -1e9
     flush_at: float | None = None  # when its next sync message is scheduled (None: none is)
     news: bool = False  # routed or finished something since its last message
+    next_state: float = 0.0  # when it next dumps its state (and refreshes its agreement sketch)
 
     def mark(self) -> None:
         """InFlight.watch callback: a pick or a finish to publish (as server/sync.py is woken)."""
@@ -369,6 +370,9 @@ class ExtprocPolicy:
             if only is not None:
                 replica.flush_at = None
             replica.sync.expire()
+            if now >= replica.next_state:  # as the publish loop: the dump itself is not delivered
+                replica.next_state = now + replica.sync.settings.state_interval_s
+                replica.sync.state()
             force = now - replica.last_sent >= replica.sync.settings.heartbeat_s
             data = replica.sync.outgoing(force=force)
             replica.news = False
