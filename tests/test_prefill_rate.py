@@ -53,6 +53,13 @@ def test_an_idle_figure_relaxes_towards_the_best_shown_and_no_further() -> None:
     assert r.update(tokens + 1_000, 0, seconds + 1.0) == pytest.approx(1_000)
 
 
+def test_windows_of_cache_hits_only_keep_the_last_figure() -> None:
+    r = PrefillRate(window=2, quantile=0.9)
+    r.update(0, 0, 0.0)
+    r.update(1_000, 0, 1.0)
+    assert r.update(1_500, 500, 1.5) == r.update(2_000, 1_000, 2.0) == pytest.approx(1_000)
+
+
 def test_missing_counters_and_a_window_of_only_cached_tokens_change_nothing() -> None:
     r = PrefillRate()
     r.update(0, 0, 0.0)

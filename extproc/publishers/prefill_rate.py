@@ -72,6 +72,8 @@ class PrefillRate:
         tokens = max(0.0, (now[0] - prev[0]) - (now[1] - prev[1]))
         self._samples.append(min(tokens / seconds, MAX_PREFILL_TOKENS_PER_S))
         ranked = sorted(self._samples)
-        self.estimate = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))] or None
-        self.best = max(self.best, self.estimate or 0.0)
+        value = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+        if value > 0.0:  # windows of cache hits only say nothing about the speed: keep the last
+            self.estimate = value
+            self.best = max(self.best, value)
         return self.estimate
