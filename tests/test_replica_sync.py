@@ -265,6 +265,28 @@ def test_malformed_messages_never_raise(data: bytes) -> None:
     assert b.route("A").upstream.cluster in CLUSTERS
 
 
+@pytest.mark.parametrize(
+    "sketch",
+    [
+        "junk",
+        {"default/0:predicted-ttft": "junk"},
+        {"default/0:predicted-ttft": {"c0": "junk", 7: [b"x"], "c1": [1, None, b"12345678"]}},
+        {"no/such:plugin": {"c0": [b"12345678"]}},
+    ],
+)
+def test_a_malformed_agreement_sketch_is_ignored(sketch: Any) -> None:
+    clock = Clock()
+    a, b = Replica("a", clock, seed=1), Replica("b", clock, seed=2)
+    b.lifecycle.finish(b.route("A"), "response_end")
+    b.sync.state()  # b has a sketch of its own to compare with
+    data = msgpack.unpackb(a.sync.outgoing(force=True))
+    assert b.sync.incoming(msgpack.packb({**data, "a": sketch}))  # the rest of the message applies
+    for key in b.sync.plugins:
+        value = b.sample("llm_extproc_sync_agreement", plugin=key)
+        assert 0.0 <= value <= 1.0
+    assert b.route("B").upstream.cluster in CLUSTERS
+
+
 def test_own_messages_are_ignored_and_nothing_is_recorded_without_a_consumer() -> None:
     clock = Clock()
     a = Replica("a", clock, seed=1)

@@ -744,9 +744,10 @@ def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) ->
         snap.prefix_cache_hit_rate = min(1.0, max(0.0, rate))
     # A prompt counter that includes cache hits is usable only with the hits to subtract.
     row = ENGINE_METRICS.get(snap.engine)
-    cached = None if row is None else load.prefix_cache_hits if row.prompt_tokens_cached else 0.0
-    if cached is not None:
-        prev.prefill.update(load.prompt_tokens, cached, load.prefill_seconds)
+    if row is not None:
+        cached = load.prefix_cache_hits if row.prompt_tokens_cached else 0.0
+        if cached is not None:
+            prev.prefill.update(load.prompt_tokens, cached, load.prefill_seconds)
     if prev.prefill.estimate is not None:  # the last figure stands while nothing new is measured
         snap.prefill_tokens_per_s = prev.prefill.estimate
     return rejected

@@ -238,9 +238,8 @@ class PredictedTtftScorer:
         running_all = [self._running(u, load, state) for u, load in zip(candidates, loads, strict=True)]
         # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
         holder_running = min(r for r, m in zip(running_all, matched, strict=True) if m == best_matched)
-        for u, model, load, m, running, rate in zip(
-            candidates, models, loads, matched, running_all, rates.values(), strict=True
-        ):
+        for u, model, load, m, running in zip(candidates, models, loads, matched, running_all, strict=True):
+            rate = rates[u.id]
             uncached = pred.tokens - min(m * bt, pred.tokens - 1)
             pred.uncached[u.id] = uncached
             ttft = self._wait(model, load, now) + uncached / rate
