@@ -22,11 +22,10 @@ pytestmark = pytest.mark.envoy
 
 @pytest.fixture(scope="module")
 def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvoyProcess]:
-    lp, ap = free_port(), free_port()
     cfg = render_envoy_config(
         load_envoy_config(ENVOY_DIR / "envoy.yaml"),
-        listener_port=lp,
-        admin_port=ap,
+        listener_port=0,  # Envoy binds both itself
+        admin_port=0,
         extproc=("127.0.0.1", free_port()),
         clusters={"gpu-a": [("127.0.0.1", 18001), ("127.0.0.1", 18011)], "gpu-b": [("127.0.0.1", 18002)]},
     )
@@ -54,7 +53,7 @@ def envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnvoyProcess]:
             },
         }
     )
-    proc = EnvoyProcess(cfg, ap, lp, Path(tmp_path_factory.mktemp("discovery")) / "envoy.log")
+    proc = EnvoyProcess(cfg, 0, 0, Path(tmp_path_factory.mktemp("discovery")) / "envoy.log")
     proc.start()
     yield proc
     proc.stop()

