@@ -6,6 +6,7 @@ local view, then on the static pool's fallback, counted) and the view is fresh a
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from gateway_stack import MODEL, Stack, service_config, wait_until
 
 from extproc.fleet.redis_feed import redis_client, redis_pubsub_client, write_and_publish
 from extproc.lab.engines import EngineGroup
+from extproc.lab.stack import RedisProcess
 from extproc.lab.stack.redis_topologies import ClusterSet, SentinelSet
 from extproc.lifecycle import RequestLifecycle
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
@@ -27,6 +29,7 @@ INTERVAL = 0.2
 TTL = 0.4  # short, so a failover outage (>= 1 s to declare the master down) outlives the snapshots
 FRESH = 'llm_extproc_fleet_instances{state="fresh_ready"}'
 FALLBACK = 'llm_extproc_fallbacks_total{reason="no_fresh_snapshot"}'
+SYNC_RECEIVED = 'llm_extproc_sync_messages_total{direction="received"}'
 
 
 # -- settings: URLs and keys -------------------------------------------------------------------------
@@ -199,6 +202,9 @@ async def _failover_under_load(
     def fresh_everywhere() -> bool:
         return all(stack.metrics(r).get(FRESH) == len(specs) for r in range(2))
 
+    def synced() -> list[float]:  # each replica's count of the other's sync messages applied
+        return [stack.metrics(r).get(SYNC_RECEIVED, 0.0) for r in range(2)]
+
     try:
         assert await asyncio.to_thread(wait_until, fresh_everywhere, 15), stack.logs()
         load = Load(stack.url)
@@ -208,12 +214,21 @@ async def _failover_under_load(
         killed_at = time.monotonic()
         assert await asyncio.to_thread(wait_until, failed_over, 20), "no failover"
         failover_s = time.monotonic() - killed_at
+        synced_at_failover = synced()
         assert await asyncio.to_thread(wait_until, fresh_everywhere, 15), stack.logs()
         converged_s = time.monotonic() - killed_at - failover_s
+        # The replicas hear each other again: each applies a sync message sent after the failover.
+        assert await asyncio.to_thread(
+            wait_until, lambda: all(n > b for n, b in zip(synced(), synced_at_failover, strict=True)), 15
+        ), stack.logs()
+        sync_s = time.monotonic() - killed_at - failover_s
         applied_before = relayed("applied")
         await asyncio.sleep(1.0)
         statuses = await load.stop()
-        print(f"failover after {failover_s:.2f}s, view fresh {converged_s:.2f}s later; {dict(statuses)}")
+        print(
+            f"failover after {failover_s:.2f}s, view fresh {converged_s:.2f}s later, replicas synced "
+            f"{sync_s:.2f}s later; {dict(statuses)}"
+        )
         # Every request succeeded through the outage: local view, then the counted fallback.
         assert set(statuses) == {200}, (statuses, load.errors[:3])
         assert statuses[200] > 50
@@ -241,6 +256,32 @@ async def test_sentinel_master_killed_under_load(
         sentinel.kill_master,
         lambda: sentinel.master_port() not in (None, old),
     )
+
+
+@pytest.mark.envoy
+@pytest.mark.slow
+async def test_standalone_redis_restarted_under_load(engines: EngineGroup, tmp_path: Path) -> None:
+    """One plain redis-server (no persistence) stopped for 2 s and started again on its port, empty:
+    the publisher and the replicas' state dumps fill it again."""
+    redis = RedisProcess(tmp_path / "redis.log").start()
+    restarted = threading.Event()
+
+    def restart() -> None:
+        redis.stop()
+        time.sleep(2.0)
+        redis.start()
+        restarted.set()
+
+    try:
+        await _failover_under_load(
+            engines,
+            tmp_path,
+            redis.url,
+            lambda: threading.Thread(target=restart, daemon=True).start(),
+            restarted.is_set,
+        )
+    finally:
+        redis.stop()
 
 
 @pytest.mark.envoy
