@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from extproc.config import config_from_dict
 from extproc.fleet import FleetView
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.fleet.redis_feed import RedisFeed
+from extproc.fleet.redis_feed import RedisFeed, follow_channel
 from extproc.lab.stack import RedisProcess
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
@@ -284,3 +284,51 @@ async def test_unknown_load_through_the_feed(harness: Harness) -> None:
     assert await until(lambda: harness.view.load("gpu-b") is not None)
     load = harness.view.load("gpu-b")
     assert load is not None and load.num_waiting == 4 and "num_waiting" in load.unknown
+
+
+async def test_follow_channel_subscribes_again_after_redis_returns(redis_server: RedisProcess) -> None:
+    """The one reconnect loop every subscriber shares (feed, KV index, relay, sync): subscribe, then
+    load; messages in order; a lost Redis is reported, `connected` cleared, and the next connection
+    subscribes and loads again; `running()` false ends the loop between connections."""
+    settings = RedisSettings(url=redis_server.url, pool="follow")
+    got: list[bytes] = []
+    loads: list[float] = []
+    lost: list[Exception] = []
+    connected = asyncio.Event()
+    running = True
+
+    async def subscribed(client: object) -> None:
+        loads.append(time.monotonic())
+
+    task = asyncio.create_task(
+        follow_channel(
+            settings,
+            "ch",
+            got.append,
+            on_subscribed=subscribed,
+            on_lost=lost.append,
+            connected=connected,
+            running=lambda: running,
+            poll_s=0.1,
+        )
+    )
+    publisher = aioredis.from_url(redis_server.url)
+    try:
+        await asyncio.wait_for(connected.wait(), 5)
+        await publisher.publish("ch", b"one")
+        assert await until(lambda: got == [b"one"])
+        redis_server.stop()
+        assert await until(lambda: lost and not connected.is_set())
+        redis_server.start()  # same port
+        await asyncio.wait_for(connected.wait(), 10)
+        assert len(loads) == 2
+        await publisher.aclose()
+        publisher = aioredis.from_url(redis_server.url)
+        await publisher.publish("ch", b"two")
+        assert await until(lambda: got == [b"one", b"two"])
+        running = False
+        redis_server.stop()  # the connection fails; the loop sees running() false and returns
+        await asyncio.wait_for(task, 5)
+    finally:
+        task.cancel()
+        await publisher.aclose()

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgpack
 
-from extproc.fleet.redis_feed import redis_client, redis_pubsub_client
+from extproc.fleet.redis_feed import RedisClient, follow_channel
 from extproc.fleet.view import KvHeld
 from extproc.settings import RedisSettings
 from extproc.telemetry import Metrics
@@ -45,7 +45,6 @@ HASH_BYTES = 8  # extproc.tokenization.block_hashes digests
 UNKNOWN, PARTIAL, COMPLETE = 0, 1, 2  # what a published set is worth (`k`)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_BUFFERED = 256  # deltas held per instance while waiting for its full set
-RECONNECT_S = (0.1, 2.0)
 RESYNC_POLL_S = 0.25  # how often instances out of sync get their full key read
 
 
@@ -351,37 +350,29 @@ class KvIndexFeed:
         return loaded
 
     async def _follow(self) -> None:
-        delay = RECONNECT_S[0]
-        while True:
-            client = redis_client(self.settings)
-            sub_client = redis_pubsub_client(self.settings)
-            pubsub = sub_client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(kv_channel(self.settings))
-                await self.load_all(client)  # after subscribing: nothing falls between the two
-                self.connected.set()
-                delay = RECONNECT_S[0]
-                next_resync = 0.0
-                loop = asyncio.get_running_loop()
-                while True:
-                    msg = await pubsub.get_message(timeout=RESYNC_POLL_S)
-                    if msg is not None:
-                        self.ingest(msg.get("data"))
-                    if loop.time() >= next_resync:
-                        next_resync = loop.time() + RESYNC_POLL_S
-                        self._export()
-                        behind = self.index.out_of_sync()
-                        if behind:
-                            await self._load(client, [kv_key(self.settings, uid) for uid in behind])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("kv index subscription lost: %s", exc)
-            finally:
-                self.connected.clear()
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-                    await sub_client.aclose()
-                    await client.aclose()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_S[1])
+        loop = asyncio.get_running_loop()
+        next_poll = 0.0
+
+        async def poll(client: RedisClient) -> None:
+            nonlocal next_poll
+            if loop.time() < next_poll:
+                return
+            next_poll = loop.time() + RESYNC_POLL_S
+            self._export()
+            behind = self.index.out_of_sync()
+            if behind:
+                await self._load(client, [kv_key(self.settings, uid) for uid in behind])
+
+        def lost(exc: Exception) -> None:
+            log.debug("kv index subscription lost: %s", exc)
+
+        await follow_channel(
+            self.settings,
+            kv_channel(self.settings),
+            self.ingest,
+            on_subscribed=self.load_all,
+            on_poll=poll,
+            poll_s=RESYNC_POLL_S,
+            on_lost=lost,
+            connected=self.connected,
+        )

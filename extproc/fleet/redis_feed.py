@@ -12,13 +12,12 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.exceptions import RedisError
 
 from extproc.fleet.snapshots import SnapshotRejected, decode
 from extproc.fleet.view import FleetView
@@ -193,6 +192,63 @@ async def write_and_publish(
     return [int(r) for r in results[1 if snapshot is not None else 0 :]]
 
 
+FOLLOW_BACKOFF_S = (0.1, 1.0)
+"""Reconnect delays of a followed channel: doubling from the first to the second. Capped at 1 s (a
+retry a second costs Redis nothing): after a restart, a Sentinel failover or a Cluster master's
+replacement each follower is subscribed again about a second after Redis is back."""
+
+
+async def follow_channel(
+    settings: RedisSettings,
+    channel: str,
+    on_message: Callable[[Any], object],
+    *,
+    on_subscribed: Callable[[RedisClient], Awaitable[object]] | None = None,
+    on_poll: Callable[[RedisClient], Awaitable[object]] | None = None,
+    poll_s: float = 1.0,
+    on_lost: Callable[[Exception], None] | None = None,
+    connected: asyncio.Event | None = None,
+    running: Callable[[], bool] = lambda: True,
+) -> None:
+    """Follow `channel` until cancelled (or `running()` turns false between connections).
+
+    Subscribe first, then `on_subscribed(client)` loads what was written before, so nothing
+    published in between is lost; then every message's data goes to `on_message`, and `on_poll(client)`
+    runs after each wait of at most `poll_s`. Any failure (`on_lost` hears of it; `connected` is
+    cleared) closes both connections, waits `FOLLOW_BACKOFF_S`, and starts over."""
+    delay = FOLLOW_BACKOFF_S[0]
+    while running():
+        client = redis_client(settings)
+        subscriber = redis_pubsub_client(settings)
+        pubsub = subscriber.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(channel)
+            if on_subscribed is not None:
+                await on_subscribed(client)
+            if connected is not None:
+                connected.set()
+            delay = FOLLOW_BACKOFF_S[0]
+            while True:
+                msg = await pubsub.get_message(timeout=poll_s)
+                if msg is not None and msg.get("type") == "message":
+                    on_message(msg.get("data"))
+                if on_poll is not None:
+                    await on_poll(client)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if on_lost is not None:
+                on_lost(exc)
+        finally:
+            if connected is not None:
+                connected.clear()
+            for closing in (pubsub, subscriber, client):
+                with contextlib.suppress(Exception):
+                    await closing.aclose()
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, FOLLOW_BACKOFF_S[1])
+
+
 class RedisFeed:
     def __init__(self, settings: RedisSettings, view: FleetView, metrics: Metrics) -> None:
         self.settings = settings
@@ -249,58 +305,47 @@ class RedisFeed:
         return len(values)
 
     async def _follow(self) -> None:
-        backoff = 0.2
-        first = True
-        while True:
-            client = redis_client(self.settings)
-            subscriber = redis_pubsub_client(self.settings)
-            pubsub = subscriber.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.settings.channel)
-                # Subscribe first, then load: nothing published in between is lost.
-                n = await self.resync(client)
-                self.metrics.redis_connected.set(1)
-                if not first:
-                    self.metrics.redis_reconnects.inc()
-                first = False
-                self.connected.set()
-                log.info("fleet feed: following %s (%d snapshots loaded)", self.settings.channel, n)
-                backoff = 0.2
-                await self._listen(client, pubsub)
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as exc:
-                if self.connected.is_set():
-                    log.warning("fleet feed: Redis connection lost (%s); retrying", exc)
-                self.connected.clear()
-                self.metrics.redis_connected.set(0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-                with contextlib.suppress(Exception):
-                    await subscriber.aclose()
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-            await asyncio.sleep(backoff)
-            # Capped at 1 s (a retry a second costs Redis nothing): after a Sentinel failover or a
-            # Cluster master's replacement the view is fed again about a second after the new master.
-            backoff = min(backoff * 2, 1.0)
-
-    async def _listen(self, client: RedisClient, pubsub: aioredis.client.PubSub) -> None:
         loop = asyncio.get_running_loop()
-        next_resync = loop.time() + self.settings.resync_interval_s
-        while True:
-            timeout = max(0.0, next_resync - loop.time())
-            msg = await pubsub.get_message(timeout=min(timeout, 1.0))
-            if msg is not None and msg.get("type") == "message":
-                data = msg.get("data")
-                if isinstance(data, bytes):
-                    self.ingest(data)
-                else:
-                    self.metrics.snapshots.labels(outcome="rejected", reason="undecodable").inc()
+        next_resync = 0.0
+        reconnecting = False
+
+        async def subscribed(client: RedisClient) -> None:
+            nonlocal next_resync, reconnecting
+            n = await self.resync(client)
+            next_resync = loop.time() + self.settings.resync_interval_s
+            self.metrics.redis_connected.set(1)
+            if reconnecting:
+                self.metrics.redis_reconnects.inc()
+            reconnecting = True
+            log.info("fleet feed: following %s (%d snapshots loaded)", self.settings.channel, n)
+
+        async def poll(client: RedisClient) -> None:
+            nonlocal next_resync
             if loop.time() >= next_resync:
                 await self.resync(client)
                 next_resync = loop.time() + self.settings.resync_interval_s
+
+        def lost(exc: Exception) -> None:
+            if self.connected.is_set():
+                log.warning("fleet feed: Redis connection lost (%s); retrying", exc)
+            self.metrics.redis_connected.set(0)
+
+        await follow_channel(
+            self.settings,
+            self.settings.channel,
+            self._message,
+            on_subscribed=subscribed,
+            on_poll=poll,
+            poll_s=min(1.0, self.settings.resync_interval_s),
+            on_lost=lost,
+            connected=self.connected,
+        )
+
+    def _message(self, data: Any) -> None:
+        if isinstance(data, bytes):
+            self.ingest(data)
+        else:
+            self.metrics.snapshots.labels(outcome="rejected", reason="undecodable").inc()
 
     # -- derived tables ----------------------------------------------------------------------------
     async def _maintain(self) -> None:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections import defaultdict
 
-from extproc.fleet.redis_feed import redis_client, redis_pubsub_client, write_and_publish
+from extproc.fleet.redis_feed import follow_channel, redis_client, write_and_publish
 from extproc.server.completions import PendingReleases
 from extproc.settings import RedisSettings
 
@@ -121,27 +121,10 @@ class ReleaseRelay:
             self.metrics.relayed_releases.labels(direction="dropped").inc(cut)
 
     async def _receive_loop(self) -> None:
-        delay = RECONNECT_S[0]
-        while True:
-            client = redis_pubsub_client(self.settings)  # any topology, Cluster included
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.channel(self.pending.replica))
-                delay = RECONNECT_S[0]
-                while True:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is not None:
-                        self._apply(msg.get("data"))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("relay subscription lost: %s", exc)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-                    await client.aclose()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_S[1])
+        def lost(exc: Exception) -> None:
+            log.debug("relay subscription lost: %s", exc)
+
+        await follow_channel(self.settings, self.channel(self.pending.replica), self._apply, on_lost=lost)
 
     def _apply(self, data: object) -> None:
         if not isinstance(data, bytes | str) or len(data) > MAX_MESSAGE_BYTES:

@@ -39,7 +39,7 @@ import msgpack
 
 from extproc.config import SyncSettings
 from extproc.fleet import InFlight, RemoteInFlight
-from extproc.fleet.redis_feed import redis_client
+from extproc.fleet.redis_feed import follow_channel, redis_client
 from extproc.scheduling import Profile, SharedPlugin
 from extproc.scheduling.sharing import RESET, unpack_hashes
 from extproc.settings import RedisSettings
@@ -353,33 +353,20 @@ class ReplicaSync:
 
     async def _receive_loop(self) -> None:
         assert self.redis is not None
-        delay = RECONNECT_S[0]
-        while not self._stopping:
-            client = redis_client(self.redis)
-            pubsub = client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.channel)
-                # Subscribe first, then load: nothing published in between is lost.
-                await self._resync(client)
-                self.connected.set()
-                delay = RECONNECT_S[0]
-                while True:
-                    msg = await pubsub.get_message(timeout=1.0)
-                    if msg is not None and msg.get("type") == "message":
-                        self.incoming(msg.get("data"))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if self.connected.is_set():
-                    log.warning("sync: Redis connection lost (%s); routing on the local view", exc)
-                self.connected.clear()
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-                with contextlib.suppress(Exception):
-                    await client.aclose()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_S[1])
+
+        def lost(exc: Exception) -> None:
+            if self.connected.is_set():
+                log.warning("sync: Redis connection lost (%s); routing on the local view", exc)
+
+        await follow_channel(
+            self.redis,
+            self.channel,
+            self.incoming,
+            on_subscribed=self._resync,
+            on_lost=lost,
+            connected=self.connected,
+            running=lambda: not self._stopping,
+        )
 
     async def _resync(self, client: Any) -> None:
         """Load the freshest state another replica wrote (a late start, or after a reconnect)."""
