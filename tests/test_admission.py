@@ -430,6 +430,29 @@ async def test_admitted_requests_go_where_there_is_headroom() -> None:
     assert await one("critical") == home  # critical may go over the threshold, to its favourite
 
 
+async def test_below_saturation_a_long_predicted_queue_does_not_move_a_request_off_its_prefix() -> None:
+    """The predicted prefill queue restricts placement only while requests wait in the model's
+    queue: below that, a request stays with its prefix holder if the scheduler says so, even over
+    `max_predicted_wait_s`, instead of being sent to a cold engine."""
+    lc = lifecycle(
+        {"max_predicted_wait_s": 1.0},
+        scheduling={
+            "profiles": {
+                "default": {"scorers": [{"name": "predicted-ttft", "params": {"prefill_tokens_per_s": 1000}}]}
+            }
+        },
+    )
+    words = "alpha " * 800  # ~1.2 s of prefill at 1000 tokens/s
+    holder = await lc.route_async(
+        head(), orjson.dumps(dict(CHAT, messages=[{"role": "user", "content": words}]))
+    )
+    wait, _ = lc.admission.backlog(holder.upstream)  # type: ignore[misc]
+    assert wait > 1.0  # over the threshold: no headroom by the predicted queue
+    assert lc.admission.room("m") > 0 and lc.admission.queue_length("m") == 0  # not saturated
+    again = orjson.dumps(dict(CHAT, messages=[{"role": "user", "content": words + "and one more"}]))
+    assert (await lc.route_async(head(), again)).upstream.id == holder.upstream.id
+
+
 async def test_unknown_model_is_404_not_saturation() -> None:
     lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 0.05})
     await route(lc)

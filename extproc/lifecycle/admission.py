@@ -259,8 +259,9 @@ class Admission:
                 total += free
         return total - self._granted.get(model, 0)
 
-    def headroom(self, u: Upstream) -> float:
-        """Requests `u` can still take before it counts as saturated (<= 0: none)."""
+    def headroom(self, u: Upstream, predicted: bool = True) -> float:
+        """Requests `u` can still take before it counts as saturated (<= 0: none); without the
+        predicted prefill queue when `predicted` is false (the engines' own counts and caps only)."""
         s = self.settings
         state = self.state
         w = u.weight
@@ -271,7 +272,7 @@ class Admission:
             free = min(free, s.max_waiting_per_weight * w - waiting)
             if s.max_kv_usage is not None and load.kv_cache_usage >= s.max_kv_usage:
                 return 0.0
-        if s.max_predicted_wait_s is not None and self.backlog is not None:
+        if predicted and s.max_predicted_wait_s is not None and self.backlog is not None:
             wait, per_request = self.backlog(u)
             left = s.max_predicted_wait_s - wait
             if left <= 0:
@@ -282,11 +283,19 @@ class Admission:
 
     def placeable(self, request: InferenceRequest, candidates: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
         """Where an admitted request may go: standard and sheddable requests only to candidates with
-        headroom (admission counted the model's total headroom; scheduling must not then pile onto a
-        saturated favourite), critical ones anywhere. All of them when none has headroom."""
+        headroom (admission counted the model's total headroom, so scheduling must not then pile onto
+        a saturated favourite); critical ones anywhere; all of them when none has headroom.
+
+        The predicted prefill queue counts here only while the model is saturated (requests wait in
+        its queue); the engines' own counts and caps always do. Below saturation, moving a request
+        off its prefix holder because the holder's predicted queue passed `max_predicted_wait_s`
+        sends a cold prefill to another engine, which slows everyone there, critical requests first:
+        critical TTFT p99 at 120 % load was 1008 ms with that filter always on and is 407 ms without
+        (docs/benchmarks.md, "Priorities and SLOs"); the scheduler weighs that move itself."""
         if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
             return candidates
-        kept = tuple(u for u in candidates if self.headroom(u) > 0)
+        saturated = request.model is not None and self.queue_length(request.model) > 0
+        kept = tuple(u for u in candidates if self.headroom(u, predicted=saturated) > 0)
         return kept if kept else candidates
 
     @property
