@@ -225,6 +225,9 @@ class RedisSettings:
     pool: str = "default"
     key_prefix: str | None = None
     resync_interval_s: float = 5.0
+    # Service only: READY snapshots this many of their own TTLs past expiry still serve a model with no
+    # fresh READY instance (STALE_READY_GRACE_TTLS above); 0 turns the grace off.
+    stale_ready_grace_ttls: float = STALE_READY_GRACE_TTLS
     sentinels: tuple[str, ...] = ()  # "host:port" of each Sentinel; needs master_name
     master_name: str | None = None
     cluster: bool = False
@@ -330,6 +333,8 @@ def redis_settings(raw: Any, where: str, password_env: str | None = None) -> Red
     for key, value in raw.items():
         if key == "resync_interval_s":
             values[key] = number(value, f"{where}.{key}", positive=True)
+        elif key == "stale_ready_grace_ttls":
+            values[key] = number(value, f"{where}.{key}", minimum=0.0, maximum=100.0)
         elif key == "sentinels":
             values[key] = tuple(string_list(value, f"{where}.{key}"))
         elif key == "cluster":

@@ -579,3 +579,14 @@ class TestInFlight:
         state = InFlight(on_change=lambda cluster, _d: seen.append(cluster))
         state.acquire(Upstream("clu/1.2.3.4:5", "clu", "1.2.3.4:5", 2.0)).release()
         assert seen == ["clu", "clu"]
+
+
+def test_fleet_stale_ready_grace_is_configurable() -> None:
+    base = {"pool": {"clusters": [{"name": "a", "models": ["m"]}]}}
+    cfg = config_from_dict({**base, "fleet": {"url": "redis://127.0.0.1:6379/0"}})
+    assert cfg.fleet is not None and cfg.fleet.stale_ready_grace_ttls == 1.0
+    cfg = config_from_dict({**base, "fleet": {"stale_ready_grace_ttls": 0}})
+    assert cfg.fleet is not None and cfg.fleet.stale_ready_grace_ttls == 0.0
+    for bad in (-1, "1", True, 1000):
+        with pytest.raises(ConfigError, match="stale_ready_grace_ttls"):
+            config_from_dict({**base, "fleet": {"stale_ready_grace_ttls": bad}})

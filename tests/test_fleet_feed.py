@@ -332,3 +332,20 @@ async def test_follow_channel_subscribes_again_after_redis_returns(redis_server:
     finally:
         task.cancel()
         await publisher.aclose()
+
+
+async def test_the_service_view_takes_the_configured_stale_ready_grace(redis_server: RedisProcess) -> None:
+    from extproc.server.app import start
+
+    raw = {
+        "pool": {"clusters": [{"name": "gpu-a", "models": ["m"]}]},
+        "listen": "127.0.0.1:0",
+        "metrics_listen": None,
+        "fleet": {"url": redis_server.url, "stale_ready_grace_ttls": 0},
+    }
+    running = await start(config_from_dict(raw))
+    try:
+        assert running.lifecycle.view is not None
+        assert running.lifecycle.view.stale_ready_grace_ttls == 0.0
+    finally:
+        await running.stop(0)

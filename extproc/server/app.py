@@ -247,7 +247,11 @@ async def start(config: ServiceConfig, *, role: str = "main") -> RunningService:
     declare >= 1 MiB to (docs/tuning.md, "Big bodies"); it routes like any replica."""
     replica = replica_id(role)
     metrics = Metrics(config.pool.models(), config.pool.cluster_names())
-    view = FleetView(config.pool) if config.fleet is not None else None
+    view = (
+        FleetView(config.pool, stale_ready_grace_ttls=config.fleet.stale_ready_grace_ttls)
+        if config.fleet is not None
+        else None
+    )
     lifecycle = RequestLifecycle(config, metrics, view)
     feed = None
     if config.fleet is not None and view is not None:
