@@ -102,7 +102,7 @@ class PredictedTtftScorer:
     decode_tokens_per_running: float = 8.0
     footprint_weight: float = 0.25  # x this prompt's prefill x the cache's fill, for a prefix no one holds
     measured_rate: bool = True  # use the engines' measured prefill throughput where published
-    rate_tolerance: float = 2.0  # measured rates this close to each other are one GPU type
+    rate_tolerance: float = 1.5  # measured rates this close to each other are one GPU type
     room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
     eps_s: float = 0.005
     _models: dict[str, _UpstreamModel] = field(init=False, default_factory=dict)

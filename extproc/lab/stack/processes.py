@@ -232,12 +232,16 @@ class EnvoyProcess:
                 self.stop()
                 raise TimeoutError(f"envoy not ready after {timeout}s{self._log_tail()}")
             time.sleep(0.1)
-        self.listener_port = self._bound_listener_port()
         try:
+            self.listener_port = self._bound_listener_port()
             wait_port("127.0.0.1", self.listener_port, timeout)
         except TimeoutError as e:
             listeners = self.admin("/listeners")
+            self.stop()
             raise TimeoutError(f"{e}; envoy listeners: {listeners}{self._log_tail()}") from None
+        except Exception:
+            self.stop()
+            raise
 
     def _bound_listener_port(self) -> int:
         """The first listener's port as Envoy bound it (the configured one, or the one Envoy chose
