@@ -34,7 +34,7 @@ from typing import Any
 
 import msgpack
 
-from extproc.fleet.redis_feed import RedisClient, follow_channel
+from extproc.fleet.redis_feed import RedisClient, cancel_until_done, follow_channel
 from extproc.fleet.view import KvHeld
 from extproc.settings import RedisSettings
 from extproc.telemetry import Metrics
@@ -306,11 +306,7 @@ class KvIndexFeed:
         self._tasks = [asyncio.create_task(self._follow(), name="kv-index")]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_until_done(self._tasks)
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:

@@ -249,6 +249,21 @@ async def follow_channel(
         delay = min(delay * 2, FOLLOW_BACKOFF_S[1])
 
 
+async def cancel_until_done(tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait until every one has ended, cancelling again while any is left: a
+    cancellation that arrives while redis-py connects or reads can be lost (seen with redis-py 8.1:
+    a relay task stayed "cancelling" in a new read, and the service's shutdown waited forever)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.5)
+    for task in tasks:
+        if not task.cancelled():
+            with contextlib.suppress(Exception):
+                task.exception()
+
+
 class RedisFeed:
     def __init__(self, settings: RedisSettings, view: FleetView, metrics: Metrics) -> None:
         self.settings = settings
@@ -266,11 +281,7 @@ class RedisFeed:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_until_done(self._tasks)
 
     # -- ingestion ---------------------------------------------------------------------------------
     def ingest(self, data: bytes) -> None:

@@ -11,11 +11,10 @@ for HOLD_S, then dropped (counted) and the owner's leases expire (lease_timeout_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import defaultdict
 
-from extproc.fleet.redis_feed import follow_channel, redis_client, write_and_publish
+from extproc.fleet.redis_feed import cancel_until_done, follow_channel, redis_client, write_and_publish
 from extproc.server.completions import PendingReleases
 from extproc.settings import RedisSettings
 
@@ -47,11 +46,7 @@ class ReleaseRelay:
         self._tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._receive_loop())]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_until_done(self._tasks)
 
     def forward(self, ticket: str) -> None:
         """Queue a ticket routed by another replica (called from the access-log receiver)."""

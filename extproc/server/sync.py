@@ -39,7 +39,7 @@ import msgpack
 
 from extproc.config import SyncSettings
 from extproc.fleet import InFlight, RemoteInFlight
-from extproc.fleet.redis_feed import follow_channel, redis_client
+from extproc.fleet.redis_feed import cancel_until_done, follow_channel, redis_client
 from extproc.scheduling import Profile, SharedPlugin
 from extproc.scheduling.sharing import RESET, unpack_hashes
 from extproc.settings import RedisSettings
@@ -286,15 +286,7 @@ class ReplicaSync:
         """Cancel the loops until they are done (a cancellation lost in a race is sent again)."""
         self._stopping = True
         self._wake.set()
-        pending = {t for t in self._tasks if not t.done()}
-        while pending:
-            for task in pending:
-                task.cancel()
-            _, pending = await asyncio.wait(pending, timeout=0.5)
-        for task in self._tasks:
-            if not task.cancelled():
-                with contextlib.suppress(Exception):
-                    task.exception()
+        await cancel_until_done(self._tasks)
         self._tasks = []
 
     async def _expire_loop(self) -> None:
