@@ -349,3 +349,26 @@ async def test_the_service_view_takes_the_configured_stale_ready_grace(redis_ser
         assert running.lifecycle.view.stale_ready_grace_ttls == 0.0
     finally:
         await running.stop(0)
+
+
+async def test_cancel_until_done_ends_a_task_that_loses_a_cancellation() -> None:
+    """What redis-py 8.1 can do to a follower: swallow one cancellation and carry on."""
+    from extproc.fleet.redis_feed import cancel_until_done
+
+    swallowed = 0
+
+    async def stubborn() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_until_done([task]), 5)
+    assert task.cancelled() and swallowed == 1
