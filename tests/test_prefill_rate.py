@@ -18,7 +18,7 @@ def test_no_estimate_before_a_delta_then_the_ratio_of_deltas() -> None:
 
 
 def test_an_upper_quantile_of_recent_samples_and_a_slowdown_is_followed() -> None:
-    r = PrefillRate(window=10, quantile=0.8)
+    r = PrefillRate(window=10, quantile=0.8, span=1)
     tokens, seconds = 0.0, 0.0
     r.update(tokens, 0, seconds)
     for i in range(10):  # alone the GPU prefills 4k tokens/s; busy intervals look slower (overlap)
@@ -31,6 +31,23 @@ def test_an_upper_quantile_of_recent_samples_and_a_slowdown_is_followed() -> Non
     assert r.estimate == pytest.approx(1_000)
 
 
+def test_hits_counted_a_scrape_before_their_prompt_do_not_make_a_spike() -> None:
+    """An engine counts a request's cache hits when it is admitted and its prompt tokens at its first
+    token, so the two can fall on either side of a scrape: one interval is debited hits whose prompt
+    is not counted yet, the next is credited a prompt without them. A sample over one interval reads
+    8x the true rate there (a GPU "8x faster" gets flooded); over three intervals the two cancel."""
+    # The GPU prefills 2k uncached tokens/s. Per interval: (prompt tokens, cached tokens, seconds).
+    intervals = [(2_000, 0, 1.0), (1_000, 7_000, 0.5), (8_000, 0, 0.5), (2_000, 0, 1.0)]
+    for span, worst in ((1, 16_000), (3, 2_000)):
+        r = PrefillRate(span=span, window=10, quantile=1.0)
+        p = c = s = 0.0
+        r.update(p, c, s)
+        for dp, dc, ds in intervals:
+            p, c, s = p + dp, c + dc, s + ds
+            r.update(p, c, s)
+        assert r.estimate == pytest.approx(worst)
+
+
 def test_a_restart_keeps_the_estimate_and_restarts_the_deltas() -> None:
     r = PrefillRate()
     r.update(0, 0, 0.0)
@@ -40,7 +57,7 @@ def test_a_restart_keeps_the_estimate_and_restarts_the_deltas() -> None:
 
 
 def test_an_idle_figure_relaxes_towards_the_best_shown_and_no_further() -> None:
-    r = PrefillRate(stale_after=2, window=4, quantile=0.5)
+    r = PrefillRate(stale_after=2, window=4, quantile=0.5, span=1)
     tokens, seconds = 0.0, 0.0
     r.update(tokens, 0, seconds)
     for rate in (3_000, 3_000, 1_000, 1_000, 1_000, 1_000):  # a slowdown: 3k, then 1k tokens/s
@@ -54,7 +71,7 @@ def test_an_idle_figure_relaxes_towards_the_best_shown_and_no_further() -> None:
 
 
 def test_windows_of_cache_hits_only_keep_the_last_figure() -> None:
-    r = PrefillRate(window=2, quantile=0.9)
+    r = PrefillRate(window=2, quantile=0.9, span=1)
     r.update(0, 0, 0.0)
     r.update(1_000, 0, 1.0)
     assert r.update(1_500, 500, 1.5) == r.update(2_000, 1_000, 2.0) == pytest.approx(1_000)

@@ -10,7 +10,12 @@ steps that also decode count whole, so a busy interval's sample is low, by as mu
 The estimate is therefore an upper quantile of the recent samples, the rate seen when prefills ran
 with little company (what `predicted-ttft` wants: it counts the queue and the decode load itself);
 not the maximum, because the hit counter moves at admission and the prompt counter at the first
-token, so a sample can be credited tokens whose cache hits fell in the previous one. In the
+token, so a sample can be credited tokens whose cache hits fell in the previous one. That
+misattribution is also why a sample spans `span` (3) scrapes that saw prefills end, not one: over
+one interval a long, mostly cached prompt whose hits were debited a scrape earlier reads as several
+times the GPU's rate (8x in tests/test_prefill_rate.py), and with few samples yet the quantile is
+that spike. A fleet of identical engines then had one "3x faster GPU" that got flooded (the
+discrete-event grid's 8k-token cells, p99 up to 6 s); over three intervals the two halves cancel. In the
 discrete-event mode this lands at ~0.7-0.9x of the simulated GPU's compute-bound rate, the same on
 H100s and A10Gs. `predicted-ttft` (scheduling/predicted_ttft.py) divides uncached tokens by it: GPUs
 of different speeds in one pool get their share without a hand-set `capacity_weight`.
@@ -37,14 +42,17 @@ class PrefillRate:
     window: int = 20  # samples remembered (10 s at the default 0.5 s interval, while prefilling)
     quantile: float = 0.8
     stale_after: int = 40  # scrapes without a prefill (20 s at the default 0.5 s interval)
+    span: int = 3  # a sample covers this many scrapes that saw prefills end
     estimate: float | None = None
     best: float = 0.0  # the highest estimate so far: what relaxing may return to
     _idle: int = 0  # scrapes since the last sample (or the last relaxation)
     _prev: tuple[float, float, float] | None = None  # (prompt tokens, cached tokens, prefill seconds)
     _samples: deque[float] = field(init=False)
+    _marks: deque[tuple[float, float, float]] = field(init=False)  # counters at the last active scrapes
 
     def __post_init__(self) -> None:
         self._samples = deque(maxlen=self.window)
+        self._marks = deque(maxlen=self.span)
 
     def update(
         self, prompt_tokens: float | None, cached_tokens: float, prefill_s: float | None
@@ -59,17 +67,23 @@ class PrefillRate:
         now = (prompt_tokens, cached_tokens, prefill_s)
         prev, self._prev = self._prev, now
         if prev is None or any(n < p for n, p in zip(now, prev, strict=True)):
+            self._marks.clear()
+            self._marks.append(now)
             return self.estimate
-        seconds = now[2] - prev[2]
-        if seconds <= 0.0:  # no prefill ended since the last scrape
+        if now[2] - prev[2] <= 0.0:  # no prefill ended since the last scrape
             self._idle += 1
             if self._idle >= self.stale_after and self.estimate is not None:
                 self._idle = 0
                 self.estimate = min(self.best, self.estimate * 2.0)
                 self._samples.clear()  # new samples, not the slow ones, decide from here
+                self._marks.clear()
+                self._marks.append(now)
             return self.estimate
         self._idle = 0
-        tokens = max(0.0, (now[0] - prev[0]) - (now[1] - prev[1]))
+        base = self._marks[0]
+        self._marks.append(now)
+        seconds = now[2] - base[2]
+        tokens = max(0.0, (now[0] - base[0]) - (now[1] - base[1]))
         self._samples.append(min(tokens / seconds, MAX_PREFILL_TOKENS_PER_S))
         ranked = sorted(self._samples)
         value = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
