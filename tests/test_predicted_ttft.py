@@ -210,6 +210,41 @@ def test_measured_rates_can_be_switched_off() -> None:
     assert max(picks.values()) - min(picks.values()) <= 3  # all three alike: an even split
 
 
+def test_large_pools_predict_the_holders_and_a_sample_of_the_rest() -> None:
+    """Past `max_evaluated` candidates only the prefix's holders and a random sample of the others are
+    predicted (the rest score 0), and a tenant still finds its one home among 40 engines."""
+    lc = lifecycle(40, max_evaluated=6)
+    homes: dict[str, set[str]] = {t: set() for t in "ABCD"}
+    for q in range(5):
+        for t in "ABCD":
+            d = lc.route(HEAD, body(TENANTS[t], q), explain=True)
+            assert d.explanation is not None and d.upstream is not None
+            scores = dict(zip(d.explanation.scored_ids, d.explanation.raw[0], strict=True))
+            assert len(scores) == 40 and sum(1 for v in scores.values() if v > 0) == 6, scores
+            if homes[t]:  # the holder is always among those predicted
+                assert scores[next(iter(homes[t]))] > 0
+            homes[t].add(d.upstream.cluster)
+            lc.finish(d, "response_end")
+    assert all(len(h) == 1 for h in homes.values()), homes
+    assert len({next(iter(h)) for h in homes.values()}) > 1
+
+
+def test_a_prefix_held_everywhere_leaves_room_for_idle_engines_in_the_sample() -> None:
+    """Holders take at most half of the predicted places: a burst of one prompt spreads over a large
+    pool instead of queueing on the engines that hold it."""
+    lc = lifecycle(40, max_evaluated=6)
+    held = [lc.route(HEAD, body(TENANTS["A"], q)) for q in range(80)]  # all in flight
+    spread = Counter(d.upstream.cluster for d in held if d.upstream is not None)
+    assert len(spread) >= 20 and max(spread.values()) <= 8, spread
+
+
+def test_pre_selection_can_be_switched_off() -> None:
+    lc = lifecycle(40, max_evaluated=0)
+    d = lc.route(HEAD, body(TENANTS["A"], 0), explain=True)
+    assert d.explanation is not None
+    assert all(v > 0 for v in d.explanation.raw[0])
+
+
 def _distinct(q: int) -> str:
     """A ~1.4k-token prompt sharing no leading block with any other."""
     return f"Request {q} asks its own thing. " + TENANTS["ABCDEFGH"[q % 8]]
@@ -223,6 +258,8 @@ def _distinct(q: int) -> str:
         {"evict_weight": -1},
         {"copy_discount": 2},
         {"rate_tolerance": 0.5},
+        {"max_evaluated": 1},
+        {"max_evaluated": -2},
     ],
 )
 def test_bad_parameters_are_config_errors(params: dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
@@ -283,6 +283,10 @@ class FleetView:
     def load(self, upstream_id: str) -> Load | None:
         return self._loads.get(upstream_id)
 
+    def loads_by_id(self) -> Mapping[str, Load]:
+        """Every upstream's load by id (read-only: replaced, not changed, by rebuild())."""
+        return self._loads
+
     def serves(self, model: str) -> bool:
         return model in self._fresh_models
 
@@ -380,6 +384,12 @@ class SchedulingState:
 
     def load(self, upstream_id: str) -> Load | None:
         return self.view.load(upstream_id) if self.view is not None else None
+
+    def loads_of(self, upstreams: Sequence[Upstream]) -> list[Load | None]:
+        if self.view is None:
+            return [None] * len(upstreams)
+        get = self.view.loads_by_id().get
+        return [get(u.id) for u in upstreams]
 
     def now(self) -> float:
         return self.view.clock() if self.view is not None else time.time()

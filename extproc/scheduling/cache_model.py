@@ -22,7 +22,7 @@ in the tests.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -51,6 +51,14 @@ class CacheModel:
     @property
     def pinned_blocks(self) -> int:
         return len(self._pinned) + self._anonymous_pinned
+
+    def holds(self, block: bytes) -> bool:
+        return block in self._pinned or block in self._evictable
+
+    def maps(self) -> tuple[Mapping[bytes, int], Mapping[bytes, None]]:
+        """The two maps a held block is in (pinned, evictable): the same objects for the model's life
+        (reset() clears them), so a caller scanning many models can keep them."""
+        return self._pinned, self._evictable
 
     def matched(self, hashes: Sequence[bytes]) -> int:
         """Leading blocks of `hashes` the engine is predicted to hold (pinned or cached)."""

@@ -32,6 +32,10 @@ class FleetState(Protocol):
         """The engines' last published load, or None without a fresh snapshot."""
         ...
 
+    def loads_of(self, upstreams: Sequence[Upstream]) -> list[Load | None]:
+        """load() of each, in one call: what a plugin reading a whole large pool uses."""
+        ...
+
     def pending(self, upstream_id: str) -> int:
         """Requests sent there that the last snapshot does not include yet."""
         ...
@@ -272,8 +276,12 @@ class Profile:
                 raise RuntimeError(
                     f"scorer '{sname}' returned {len(scores)} scores for {len(candidates)} candidates"
                 )
-            for i, s in enumerate(scores):
-                totals[i] += weight * _clamp(s)
+            # Clamped to [0, 1] (NaN fails both tests: 0) so one scorer cannot outweigh the weights;
+            # inline, as this runs per candidate and scorer (1000s of candidates a decision).
+            totals = [
+                t + weight * (1.0 if s >= 1.0 else s if s > 0.0 else 0.0)
+                for t, s in zip(totals, scores, strict=True)
+            ]
             if explain is not None:
                 explain.raw.append(tuple(scores))
         if ranked is not None:
@@ -299,15 +307,6 @@ class Profile:
     def finished(self, request: InferenceRequest, upstream: Upstream) -> None:
         for hook in self.finish_hooks:
             hook.on_finish(request, upstream)
-
-
-def _clamp(score: float) -> float:
-    """A score outside [0, 1] (or NaN) must not outweigh the other scorers' weights."""
-    if score >= 1.0:
-        return 1.0
-    if score > 0.0:
-        return float(score)
-    return 0.0  # also NaN, which fails both comparisons
 
 
 def profile_from_config(name: str, raw: Any) -> Profile:

@@ -250,12 +250,14 @@ async def outage_latency(requests: int = 600, out_dir: Path = Path("out/fleet"))
     stop = asyncio.Event()
     task = asyncio.create_task(publisher.run(stop))
     body = {"model": "sim-llama", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 500}]}
-    url = gw.url + "/v1/chat/completions"
     try:
         gw.start()
+        url = gw.url + "/v1/chat/completions"  # Envoy picks its port at start
         await asyncio.sleep(1.5)
         await closed_loop(url, body, 50, 1)
         up = summarize("redis up", *(await closed_loop(url, body, requests, 1)))
+        if up.errors:  # the gateway itself is broken: the comparison would mean nothing
+            raise RuntimeError(f"{up.errors} of {requests} requests failed with Redis up (logs: {out_dir})")
         stop.set()
         await task
         redis.stop()

@@ -50,6 +50,9 @@ class ModelState:
     def load(self, upstream_id: str) -> Load | None:
         return self.loads.get(upstream_id)
 
+    def loads_of(self, upstreams: Sequence[Upstream]) -> list[Load | None]:
+        return [self.loads.get(u.id) for u in upstreams]
+
     def pending(self, upstream_id: str) -> int:
         load = self.loads.get(upstream_id)
         own = self.counts[upstream_id]
