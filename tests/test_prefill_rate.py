@@ -48,6 +48,12 @@ def test_hits_counted_a_scrape_before_their_prompt_do_not_make_a_spike() -> None
         assert r.estimate == pytest.approx(worst)
 
 
+@pytest.mark.parametrize("kw", [{"span": 0}, {"window": 0}])
+def test_a_sample_needs_at_least_one_scrape(kw: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="span"):
+        PrefillRate(**kw)
+
+
 def test_a_restart_keeps_the_estimate_and_restarts_the_deltas() -> None:
     r = PrefillRate()
     r.update(0, 0, 0.0)

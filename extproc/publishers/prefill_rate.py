@@ -51,6 +51,8 @@ class PrefillRate:
     _marks: deque[tuple[float, float, float]] = field(init=False)  # counters at the last active scrapes
 
     def __post_init__(self) -> None:
+        if self.span < 1 or self.window < 1:
+            raise ValueError("'span' and 'window' must be >= 1")
         self._samples = deque(maxlen=self.window)
         self._marks = deque(maxlen=self.span)
 
