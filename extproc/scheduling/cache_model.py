@@ -52,9 +52,6 @@ class CacheModel:
     def pinned_blocks(self) -> int:
         return len(self._pinned) + self._anonymous_pinned
 
-    def holds(self, block: bytes) -> bool:
-        return block in self._pinned or block in self._evictable
-
     def maps(self) -> tuple[Mapping[bytes, int], Mapping[bytes, None]]:
         """The two maps a held block is in (pinned, evictable): the same objects for the model's life
         (reset() clears them), so a caller scanning many models can keep them."""

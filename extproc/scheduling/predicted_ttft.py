@@ -276,7 +276,10 @@ class PredictedTtftScorer:
                     if i not in seen and (held := state.kv_blocks(u.id)) is not None and h0 in held.blocks:
                         holders.append(i)
         if len(holders) > k // 2:
-            self._rng.shuffle(holders)  # equal matches: no fixed favourite
+            # A prefix held by most of a large pool (a shared system prompt): rank a random 2k of its
+            # holders, not all, so the match walks stay bounded; shuffled so equal matches have no
+            # fixed favourite.
+            holders = self._rng.sample(holders, min(len(holders), 2 * k))
             lengths = {}
             for i in holders:
                 uid = candidates[i].id
