@@ -689,7 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policies",
         help=f"comma list (default: {','.join(SIMULATE_POLICIES)}; with --grid every one of "
-        "those and sglang-cache-aware, vllm-router-cache-aware)",
+        "those and sglang-cache-aware, vllm-router-cache-aware). Also llm-extproc-kv-events (with the "
+        "engines' KV events and token ids) and llm-extproc-token-ids (token ids alone), which a grid "
+        "compares with llm-extproc in its markdown",
     )
     _add_grid_options(
         p,

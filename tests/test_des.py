@@ -61,3 +61,45 @@ def test_cache_affinity_beats_scattering_under_kv_pressure() -> None:
 def test_unknown_policy() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         simulate([], [A10G], "nope")
+
+
+def test_kv_events_feed_every_replicas_precise_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `kv_events`, the engines' events reach each replica's KvIndex through the publisher's
+    translation and wire format, and predicted-ttft reads complete sets from it."""
+    from extproc.fleet.kv_index import KvIndex
+
+    answers: list[tuple[int, bool]] = []
+    original = KvIndex.blocks
+
+    def spy(self: KvIndex, upstream_id: str):  # type: ignore[no-untyped-def]
+        held = original(self, upstream_id)
+        answers.append((id(self), held is not None and held.complete and bool(held.blocks)))
+        return held
+
+    monkeypatch.setattr(KvIndex, "blocks", spy)
+    reqs = requests("shared-prefix", count=60, tenants=4)
+    run = simulate(reqs, [A10G] * 2, "llm-extproc", kv_events=True, replicas=2)
+    assert len(run.records) == 60 and all(r.ok for r in run.records)
+    indexes = {i for i, _ in answers}
+    assert len(indexes) == 2  # one index per replica, both asked
+    assert sum(ok for _, ok in answers) > len(answers) / 2, "the sets were rarely usable"
+
+    answers.clear()
+    simulate(reqs, [A10G] * 2, "llm-extproc")
+    assert answers == []  # without events no index is fed or read
+
+
+def test_a_mixed_fleet_starts_out_by_the_gpus_nominal_speeds() -> None:
+    """Before any prefill rate is measured, the snapshots' GPU names (gpu_model) send most cold
+    prompts to the H100 (~14x an A10G); without the prior the first ones split evenly."""
+    reqs = requests("shared-prefix", count=12, rate=6.0, tenants=12)  # 12 cold prefixes in 2 s
+    fleet = [PROFILES["h100-llama3-8b"], A10G]
+
+    def h100_share(params: dict[str, object]) -> float:
+        profile = {"scorers": [{"name": "predicted-ttft", "params": params}], "picker": "max-score"}
+        service = {"scheduling": {"profiles": {"default": profile}}}
+        run = simulate(reqs, fleet, "llm-extproc", service=service)
+        return sum(r.served_by == "engine-0" for r in run.records) / len(run.records)
+
+    assert h100_share({}) >= 0.8
+    assert h100_share({"gpu_prior": False}) <= 0.7

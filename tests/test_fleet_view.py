@@ -136,6 +136,33 @@ def test_cluster_prefill_rate_sums_instances_and_counts_unmeasured_ones_at_the_m
     assert v.load("c2").prefill_tokens_per_s is None  # type: ignore[union-attr]
 
 
+def test_cluster_gpu_speed_sums_the_known_gpus_and_counts_unknown_ones_at_the_mean() -> None:
+    v = FleetView(cluster_pool(), clock=Clock(NOW + 1))
+    v.apply(inst("c1/a", gpu_model="NVIDIA H100 80GB HBM3"))
+    v.apply(inst("c1/b", gpu_model="NVIDIA A10G"))
+    v.apply(inst("c1/c", gpu_model="some future GPU"))  # not in the table: the others' mean
+    v.apply(inst("c2/a", cluster="c2", models=frozenset({"m2"})))
+    v.rebuild()
+    assert v.load("c1").gpu_speed == pytest.approx((989 + 70) * 3 / 2)  # type: ignore[union-attr]
+    assert v.load("c2").gpu_speed is None  # type: ignore[union-attr]
+
+
+def test_loads_of_is_kept_per_candidates_tuple_until_the_view_is_rebuilt() -> None:
+    v = FleetView(cluster_pool(), clock=Clock(NOW + 1))
+    v.apply(inst("c1/a", num_running=1))
+    v.rebuild()
+    state = SchedulingState(InFlight(), v)
+    candidates = v.candidates("m1")
+    assert isinstance(candidates, tuple)
+    first = state.loads_of(candidates)
+    assert state.loads_of(candidates) is first  # the same answer, no lookups
+    assert state.loads_of(list(candidates)) == first and state.loads_of(list(candidates)) is not first
+    v.apply(inst("c1/a", num_running=5, sequence=2))
+    v.rebuild()
+    again = state.loads_of(candidates)  # the same tuple, new loads: looked up again
+    assert again is not first and again[0] is not None and again[0].num_running == 5
+
+
 def test_cluster_mode_per_model_candidates() -> None:
     v = FleetView(cluster_pool(), clock=Clock())
     v.apply(inst("c1/a", models=frozenset({"m1", "shared"})))

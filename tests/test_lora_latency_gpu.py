@@ -380,6 +380,34 @@ def test_dcgm_all_gpus_busiest_and_fullest() -> None:
     assert r.utilization == pytest.approx(0.97)
     assert r.memory_usage == pytest.approx(0.9)
     assert r.gpus == 2 and r.rejected == []
+    assert r.model == "NVIDIA H100"
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A10G", 70.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L40", 181.0),
+        ("NVIDIA L4", 121.0),
+        ("Tesla T4", 65.0),
+        ("h100", 989.0),  # an operator's short name
+        ("AMD Instinct MI300X", 1307.0),
+        ("NVIDIA GeForce GTX 1080", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_gpu_names_map_to_nominal_prefill_speeds(name: str | None, tflops: float | None) -> None:
+    from extproc.fleet.gpus import gpu_speed
+
+    assert gpu_speed(name) == tflops
 
 
 @pytest.mark.parametrize("select", [["1"], ["GPU-bbb"]])
@@ -466,6 +494,9 @@ async def test_scrape_reads_dcgm_and_a_dead_exporter_only_leaves_gpu_unknown() -
         assert ok.load.gpu_memory_usage == pytest.approx(0.25)
         snap = pub.snapshot(good, ok.health, ok.load, _Previous())
         assert snap.readiness == spb.READY and snap.gpu_utilization == pytest.approx(0.2)
+        assert snap.gpu_model == "NVIDIA H100"  # DCGM's modelName: the prefill-speed prior
+        named = pub.snapshot(replace(good, gpu="NVIDIA L4"), ok.health, ok.load, _Previous())
+        assert named.gpu_model == "NVIDIA L4"  # the operator's name wins
         assert down.load is not None and down.load.gpu_utilization is None
         assert ("gpu_utilization", "dcgm_error") in down.load.rejected
         assert pub.snapshot(dead, down.health, down.load, _Previous()).readiness == spb.READY

@@ -151,14 +151,22 @@ def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
     assert scorer._models["a"].busy_until <= 101.0
 
 
-def _mixed_fleet(measured: dict[str, float], **params: Any) -> tuple[RequestLifecycle, FleetView]:
+def _mixed_fleet(
+    measured: dict[str, float], gpus: dict[str, str] | None = None, **params: Any
+) -> tuple[RequestLifecycle, FleetView]:
     cfg = config(["fast", "slow", "new"], **params)
     view = FleetView(cfg.pool, clock=lambda: NOW + 1)
     lc = RequestLifecycle(cfg, Metrics(["m"], ["fast", "slow", "new"]), view)
     view.own_count = lc.inflight.count
     for name in ("fast", "slow", "new"):
         view.apply(
-            snap(name, kv_blocks_total=100_000, block_size=16, prefill_tokens_per_s=measured.get(name))
+            snap(
+                name,
+                kv_blocks_total=100_000,
+                block_size=16,
+                prefill_tokens_per_s=measured.get(name),
+                gpu_model=(gpus or {}).get(name, ""),
+            )
         )
     view.rebuild()
     return lc, view
@@ -202,6 +210,34 @@ def test_identical_engines_measured_with_noise_keep_the_configured_rate() -> Non
     assert _rates(lc, view, ("fast", "slow", "new")) == pytest.approx(
         {"fast": 2_000 * 2_400 / 1_700, "slow": 2_000.0, "new": 2_000 * 2_000 / 1_700}
     )
+
+
+H100, A10G = "NVIDIA H100 80GB HBM3", "NVIDIA A10G"
+
+
+def test_before_any_measurement_the_gpus_nominal_speeds_order_the_engines() -> None:
+    """A mixed fleet's first seconds: nothing measured, but the snapshots name the GPUs. The H100s
+    get ~14x the A10G's rate (989 / 70 dense TFLOPS), an unknown GPU counts as the fastest."""
+    lc, view = _mixed_fleet({}, {"fast": H100, "slow": A10G})
+    rates = _rates(lc, view, ("fast", "slow", "new"))
+    assert rates == pytest.approx({"fast": 2_000 * 989 / 70, "slow": 2_000.0, "new": 2_000 * 989 / 70})
+    picks = Counter(lc.route(HEAD, body(_distinct(q), q)).upstream.id for q in range(60))
+    assert picks["fast"] + picks["new"] > 6 * picks["slow"]
+    # One GPU type: the prior changes nothing.
+    lc, view = _mixed_fleet({}, {"fast": H100, "slow": H100, "new": H100})
+    assert _rates(lc, view, ("fast", "slow", "new")) == dict.fromkeys(("fast", "slow", "new"), 2_000.0)
+    # Off: every unmeasured engine alike, as before.
+    lc, view = _mixed_fleet({}, {"fast": H100, "slow": A10G}, gpu_prior=False)
+    assert _rates(lc, view, ("fast", "slow", "new")) == dict.fromkeys(("fast", "slow", "new"), 2_000.0)
+
+
+def test_an_unmeasured_gpu_is_scaled_to_the_measured_ones() -> None:
+    """The slow A10G is measured first (3k tokens/s); the new H100 is not: its nominal speed times the
+    A10G's measured-per-nominal ratio. Measured figures win over nominal ones."""
+    lc, view = _mixed_fleet({"slow": 3_000.0, "fast": 3_100.0}, {"slow": A10G, "new": H100, "fast": H100})
+    rates = _rates(lc, view, ("fast", "slow", "new"))
+    assert rates["slow"] == rates["fast"] == 2_000.0  # measured alike: one group, whatever the names
+    assert rates["new"] == pytest.approx(2_000 * 989 / 70)  # the median ratio over both is the A10G's
 
 
 def test_measured_rates_can_be_switched_off() -> None:

@@ -381,7 +381,13 @@ def test_load_config_file(tmp_path: Path) -> None:
             "publisher_id": "p-9",
             "instances": [
                 {"cluster": "gpu-a", "address": "10.0.0.1:8000", "engine": "sglang", "models": ["x"]},
-                {"cluster": "gpu-b", "address": "[::1]:9000", "capacity_weight": 3, "draining": True},
+                {
+                    "cluster": "gpu-b",
+                    "address": "[::1]:9000",
+                    "capacity_weight": 3,
+                    "draining": True,
+                    "gpu": "NVIDIA A10G",
+                },
             ],
         },
     )
@@ -402,6 +408,7 @@ def test_load_config_file(tmp_path: Path) -> None:
         1.0,
     )
     assert (b.address, b.capacity_weight, b.draining, b.engine) == ("[::1]:9000", 3.0, True, "vllm")
+    assert (a.gpu, b.gpu) == ("", "NVIDIA A10G")
 
 
 def test_load_config_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -443,6 +450,8 @@ def test_load_config_without_file() -> None:
             "capacity_weight",
         ),
         ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "models": "x"}]}, "models"),
+        ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "gpu": 100}]}, "'gpu'"),
+        ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "gpu": "x" * 65}]}, "'gpu'"),
         ({"instances": [{"address": "10.0.0.1:80"}]}, "cluster"),
         ({"instances": []}, "instances"),
         ({"redis": {"pool": "p"}}, "envoy_admin"),

@@ -4,6 +4,7 @@ handed over by hand, a fake clock), then two real services sharing through a rea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -573,3 +574,44 @@ async def test_stop_ends_the_loops_while_news_keeps_coming(redis_server: RedisPr
     assert (
         r.metrics.registry.get_sample_value("llm_extproc_sync_messages_total", {"direction": "sent"}) or 0
     ) > 0
+
+
+def test_live_agreement_samples_are_summarised_after_the_warm_up() -> None:
+    from extproc.lab.discrete_event.replicas import AGREEMENT_WARMUP_S, agreement_summary
+
+    w = AGREEMENT_WARMUP_S
+    samples = [
+        (w - 1, 0, "predicted-ttft", 0.1),  # warm-up: left out
+        (w + 1, 0, "predicted-ttft", 0.9),
+        (w + 2, 1, "predicted-ttft", 0.7),
+        (w + 3, 1, "prefix-affinity", 1.0),
+    ]
+    summary = agreement_summary(samples)
+    assert summary is not None
+    assert summary["predicted-ttft"] == pytest.approx({"mean": 0.8, "min": 0.7, "samples": 2.0})
+    assert summary["prefix-affinity"] == {"mean": 1.0, "min": 1.0, "samples": 1.0}
+    assert agreement_summary(samples[:1]) is None
+
+
+async def test_the_agreement_sampler_reads_each_replicas_gauges(monkeypatch: pytest.MonkeyPatch) -> None:
+    from extproc.lab.bench import scenarios
+
+    monkeypatch.setattr(scenarios, "AGREEMENT_EVERY_S", 0.01)
+
+    class Gateway:
+        def metrics(self, replica: int = 0) -> dict[str, float]:
+            if replica == 1:
+                raise OSError("not answering")  # skipped, the sampler goes on
+            return {
+                'llm_extproc_sync_agreement{plugin="predicted-ttft"}': 0.5,
+                'llm_extproc_requests_total{model="m"}': 3.0,
+            }
+
+    out: list[tuple[float, int, str, float]] = []
+    task = asyncio.create_task(scenarios._sample_agreement(Gateway(), 2, out))  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert len(out) >= 2
+    assert {(r, p, v) for _, r, p, v in out} == {(0, "predicted-ttft", 0.5)}

@@ -151,6 +151,13 @@ def test_optional_out_of_range_become_none() -> None:
     assert (st.prefix_cache_hit_rate, st.ttft_s, st.tpot_s) == (None, None, None)
 
 
+def test_gpu_model_is_kept_when_it_is_a_short_printable_name() -> None:
+    assert validate(msg(), CLUSTERS, now=NOW).gpu_model is None
+    assert validate(msg(gpu_model="NVIDIA A10G"), CLUSTERS, now=NOW).gpu_model == "NVIDIA A10G"
+    for bad in ("x" * 65, "H100\n", "\x00"):  # dropped, not a reason to reject the snapshot
+        assert validate(msg(gpu_model=bad), CLUSTERS, now=NOW).gpu_model is None
+
+
 def test_prefill_rate_is_kept_only_when_a_reader_can_divide_by_it() -> None:
     assert validate(msg(), CLUSTERS, now=NOW).prefill_tokens_per_s is None  # not measured yet
     assert validate(msg(prefill_tokens_per_s=2_500.0), CLUSTERS, now=NOW).prefill_tokens_per_s == 2_500.0

@@ -21,7 +21,7 @@ DRAINING: Readiness
 DOWN: Readiness
 
 class UpstreamSnapshot(_message.Message):
-    __slots__ = ("upstream_id", "cluster", "address", "engine", "models", "lora_adapters", "readiness", "capacity_weight", "max_lora", "num_running", "num_waiting", "kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "gpu_utilization", "gpu_memory_usage", "prefix_cache_hit_rate", "ttft_seconds", "tpot_seconds", "prefill_tokens_per_s", "publisher_id", "sequence", "published_at_ms", "ttl_ms", "load_presence", "readiness_reason")
+    __slots__ = ("upstream_id", "cluster", "address", "engine", "models", "lora_adapters", "readiness", "capacity_weight", "max_lora", "num_running", "num_waiting", "kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "gpu_utilization", "gpu_memory_usage", "prefix_cache_hit_rate", "ttft_seconds", "tpot_seconds", "prefill_tokens_per_s", "publisher_id", "sequence", "published_at_ms", "ttl_ms", "load_presence", "readiness_reason", "gpu_model")
     UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class UpstreamSnapshot(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     LOAD_PRESENCE_FIELD_NUMBER: _ClassVar[int]
     READINESS_REASON_FIELD_NUMBER: _ClassVar[int]
+    GPU_MODEL_FIELD_NUMBER: _ClassVar[int]
     upstream_id: str
     cluster: str
     address: str
@@ -78,4 +79,5 @@ class UpstreamSnapshot(_message.Message):
     ttl_ms: int
     load_presence: bool
     readiness_reason: str
-    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., readiness: _Optional[_Union[Readiness, str]] = ..., capacity_weight: _Optional[float] = ..., max_lora: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., gpu_memory_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., publisher_id: _Optional[str] = ..., sequence: _Optional[int] = ..., published_at_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., load_presence: _Optional[bool] = ..., readiness_reason: _Optional[str] = ...) -> None: ...
+    gpu_model: str
+    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., readiness: _Optional[_Union[Readiness, str]] = ..., capacity_weight: _Optional[float] = ..., max_lora: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., gpu_memory_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., publisher_id: _Optional[str] = ..., sequence: _Optional[int] = ..., published_at_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., load_presence: _Optional[bool] = ..., readiness_reason: _Optional[str] = ..., gpu_model: _Optional[str] = ...) -> None: ...

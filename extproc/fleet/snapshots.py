@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from extproc.fleet import snapshot_pb2 as spb
+from extproc.fleet.gpus import MAX_GPU_NAME
 from extproc.fleet.pool import parse_endpoint
 from extproc.settings import MAX_TTL_MS, MIN_TTL_MS
 
@@ -82,6 +83,7 @@ class InstanceState:
     gpu_utilization: float | None = None
     gpu_memory_usage: float | None = None
     prefill_tokens_per_s: float | None = None  # measured (publishers/prefill_rate.py); None: not yet
+    gpu_model: str | None = None  # e.g. "NVIDIA H100 80GB HBM3" (fleet/gpus.py); None: not said
 
     @property
     def ready(self) -> bool:
@@ -170,7 +172,13 @@ def validate(
         gpu_utilization=_fraction(msg, "gpu_utilization"),
         gpu_memory_usage=_fraction(msg, "gpu_memory_usage"),
         prefill_tokens_per_s=_prefill_rate(msg),
+        gpu_model=_gpu_model(msg.gpu_model),
     )
+
+
+def _gpu_model(name: str) -> str | None:
+    """An informational name: a bad one is dropped, not a reason to reject the snapshot."""
+    return name if name and len(name) <= MAX_GPU_NAME and name.isprintable() else None
 
 
 def _load_field(msg: spb.UpstreamSnapshot, name: str) -> float | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
 from extproc.fleet.accounting import InFlight, RemoteInFlight
+from extproc.fleet.gpus import gpu_speed
 from extproc.fleet.pool import Pool, RoutingMode, Upstream
 from extproc.fleet.snapshots import InstanceState
 from extproc.settings import FORGET_AFTER_S, STALE_READY_GRACE_TTLS
@@ -76,6 +77,9 @@ class Load:
     # Measured prefill throughput (uncached prompt tokens/s), summed over the instances (those not
     # measured yet counted at the measured ones' mean); None: no instance here is measured yet.
     prefill_tokens_per_s: float | None = None
+    # Nominal prefill speed of its GPUs (fleet/gpus.py: dense tensor TFLOPS, only ratios count),
+    # summed over the instances as prefill_tokens_per_s is; None: no instance's GPU is known.
+    gpu_speed: float | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -303,6 +307,7 @@ class _ExtraSignals(TypedDict):
     ttft_s: float | None
     tpot_s: float | None
     prefill_tokens_per_s: float | None
+    gpu_speed: float | None
 
 
 def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
@@ -314,6 +319,7 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
     ttft: list[float] = []
     tpot: list[float] = []
     prefill: list[float] = []
+    nominal: list[float] = []
     for i in insts:
         adapters.update(i.lora_adapters)
         if i.max_lora is not None:
@@ -329,6 +335,9 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
             tpot.append(i.tpot_s)
         if i.prefill_tokens_per_s is not None:
             prefill.append(i.prefill_tokens_per_s)
+        speed = gpu_speed(i.gpu_model)
+        if speed is not None:
+            nominal.append(speed)
     return {
         "lora_adapters": frozenset(adapters),
         "lora_slots": slots,
@@ -338,7 +347,11 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
         "ttft_s": sum(ttft) / len(ttft) if ttft else None,
         "tpot_s": sum(tpot) / len(tpot) if tpot else None,
         "prefill_tokens_per_s": sum(prefill) * len(insts) / len(prefill) if prefill else None,
+        "gpu_speed": sum(nominal) * len(insts) / len(nominal) if nominal else None,
     }
+
+
+_LoadsHeld = tuple[tuple[Upstream, ...], Mapping[str, Load], tuple[Load | None, ...]]
 
 
 class SchedulingState:
@@ -348,13 +361,15 @@ class SchedulingState:
     With replica sync (`share()`), counts are fleet-wide: this process's own plus what the other
     replicas last reported (server/sync.py), so N replicas do not each see an idle upstream."""
 
-    __slots__ = ("inflight", "kv", "remote", "view")
+    __slots__ = ("_loads_held", "inflight", "kv", "remote", "view")
 
     def __init__(self, inflight: InFlight, view: FleetView | None) -> None:
         self.inflight = inflight
         self.view = view
         self.remote: RemoteInFlight | None = None
         self.kv: KvBlocks | None = None  # the precise prefix index from engines' KV events, if fed
+        # loads_of()'s last answer for a candidates tuple: (that tuple, the view's loads, the answer)
+        self._loads_held: _LoadsHeld | None = None
 
     def kv_blocks(self, upstream_id: str) -> KvHeld | None:
         """The index block hashes the engine holds, from its KV events: None unless that set is synced
@@ -385,11 +400,21 @@ class SchedulingState:
     def load(self, upstream_id: str) -> Load | None:
         return self.view.load(upstream_id) if self.view is not None else None
 
-    def loads_of(self, upstreams: Sequence[Upstream]) -> list[Load | None]:
+    def loads_of(self, upstreams: Sequence[Upstream]) -> Sequence[Load | None]:
+        """Kept while the candidates tuple and the view's loads are the same objects (both are
+        replaced, not changed, when the view is rebuilt): one lookup per candidate per rebuild, not
+        per decision, for a pool of 1000."""
         if self.view is None:
-            return [None] * len(upstreams)
-        get = self.view.loads_by_id().get
-        return [get(u.id) for u in upstreams]
+            return (None,) * len(upstreams)
+        by_id = self.view.loads_by_id()
+        held = self._loads_held
+        if held is not None and held[0] is upstreams and held[1] is by_id:
+            return held[2]
+        get = by_id.get
+        loads = tuple(get(u.id) for u in upstreams)
+        if isinstance(upstreams, tuple):
+            self._loads_held = (upstreams, by_id, loads)
+        return loads
 
     def now(self) -> float:
         return self.view.clock() if self.view is not None else time.time()

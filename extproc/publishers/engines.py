@@ -34,6 +34,7 @@ class EngineLoad:
     max_model_len: int | None = None
     gpu_utilization: float | None = None  # fraction 0..1
     gpu_memory_usage: float | None = None  # fraction 0..1 (from an NVIDIA DCGM exporter, see normalize_dcgm)
+    gpu_model: str | None = None  # the GPU's name (DCGM's modelName label), a prefill-speed prior
     max_lora: int | None = None  # LoRA adapter slots in GPU memory
     # Cumulative counters; the publisher turns deltas between scrapes into rates and means.
     prefix_cache_hits: float | None = None
@@ -486,6 +487,7 @@ class GpuReading:
     utilization: float | None = None  # 0..1, the busiest selected GPU
     memory_usage: float | None = None  # 0..1, the fullest selected GPU
     gpus: int = 0  # GPUs matched by the selection
+    model: str | None = None  # the selected GPUs' modelName (the first one's)
     rejected: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -504,6 +506,11 @@ def normalize_dcgm(exposition: str, gpus: Iterable[str] = ()) -> GpuReading:
         return [(lb, v) for lb, v in series if any(lb.get(k) in wanted for k in DCGM_GPU_LABELS)]
 
     reading = GpuReading()
+    for name in (*(m.name for m in DCGM_UTILIZATION), DCGM_FB_USED):
+        model = next((lb["modelName"] for lb, _ in selected(name) if lb.get("modelName")), None)
+        if model is not None:
+            reading.model = model
+            break
     for metric in DCGM_UTILIZATION:
         series = selected(metric.name)
         if not series:

@@ -27,6 +27,7 @@ import aiohttp
 import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
+from extproc.fleet.gpus import MAX_GPU_NAME
 from extproc.fleet.pool import parse_endpoint
 from extproc.fleet.redis_feed import redis_client, write_and_publish
 from extproc.fleet.snapshots import (
@@ -87,6 +88,9 @@ class InstanceSpec:
     # empty: all of them). "" : no GPU figures beyond what the engine itself publishes.
     dcgm_url: str = ""
     dcgm_gpus: tuple[str, ...] = ()
+    # The GPU's name, e.g. "NVIDIA H100 80GB HBM3" or "A10G" (published as gpu_model: the service's
+    # prefill-speed prior until the rate is measured, fleet/gpus.py). "": DCGM's modelName, if any.
+    gpu: str = ""
     # The engine's KV-cache events (vLLM/SGLang ZMQ PUB): subscribed, mapped to the service's prefix
     # index blocks and published to Redis (publishers/kv_events.py). None: no events.
     kv_events: KvEventsSpec | None = None
@@ -182,6 +186,9 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
     models = string_list(raw.get("models", []), "publisher: 'models'")
     weight = number(raw.get("capacity_weight", 1.0), "publisher: 'capacity_weight'", positive=True)
     dcgm_url, dcgm_gpus = _dcgm_settings(raw)
+    gpu = raw.get("gpu", "")
+    if not isinstance(gpu, str) or len(gpu) > MAX_GPU_NAME or not gpu.isprintable():
+        raise ConfigError(f"publisher: 'gpu' must be a GPU name of at most {MAX_GPU_NAME} characters")
     return InstanceSpec(
         cluster=raw["cluster"],
         address=raw["address"],
@@ -193,6 +200,7 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
         health_path=str(raw.get("health_path", "/health")),
         dcgm_url=dcgm_url,
         dcgm_gpus=dcgm_gpus,
+        gpu=gpu,
         kv_events=kv_events_spec(raw.get("kv_events"), f"publisher: instance {raw['address']}"),
     )
 
@@ -595,6 +603,9 @@ class Publisher:
         if load is not None:
             rejected = _fill_load(snap, load, prev)
             snap.lora_adapters.extend(_names(load.lora_adapters, "lora_adapters", rejected))
+        gpu = spec.gpu or (load.gpu_model if load is not None else None)
+        if gpu and len(gpu) <= MAX_GPU_NAME and gpu.isprintable():
+            snap.gpu_model = gpu
         configured = list(spec.models) or (load.models if load is not None else [])
         snap.models.extend(_names(configured, "models", rejected))
         for name, reason in rejected:
@@ -759,6 +770,8 @@ def _apply_gpu(load: EngineLoad, reading: GpuReading) -> None:
         load.gpu_utilization = reading.utilization
     if reading.memory_usage is not None:
         load.gpu_memory_usage = reading.memory_usage
+    if reading.model is not None:
+        load.gpu_model = reading.model
     load.rejected.extend(reading.rejected)
 
 
@@ -813,6 +826,7 @@ async def discover_from_envoy(session: aiohttp.ClientSession, admin: str) -> lis
                                     "health_path",
                                     "dcgm_url",
                                     "dcgm_gpus",
+                                    "gpu",
                                     "kv_events",
                                 )
                                 if k in meta

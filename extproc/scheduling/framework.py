@@ -32,7 +32,7 @@ class FleetState(Protocol):
         """The engines' last published load, or None without a fresh snapshot."""
         ...
 
-    def loads_of(self, upstreams: Sequence[Upstream]) -> list[Load | None]:
+    def loads_of(self, upstreams: Sequence[Upstream]) -> Sequence[Load | None]:
         """load() of each, in one call: what a plugin reading a whole large pool uses."""
         ...
 

@@ -54,6 +54,7 @@ from extproc.tokenization import block_hashes, estimate_tokens
 
 BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
+SENT_WINDOW_S = 60.0  # recent sends kept per upstream
 
 
 @dataclass(slots=True)
@@ -107,6 +108,9 @@ class PredictedTtftScorer:
     footprint_weight: float = 0.25  # x this prompt's prefill x the cache's fill, for a prefix no one holds
     measured_rate: bool = True  # use the engines' measured prefill throughput where published
     rate_tolerance: float = 1.5  # measured rates this close to each other are one GPU type
+    # Until an engine's prefill rate is measured, its GPU's nominal speed (snapshots' gpu_model,
+    # fleet/gpus.py) orders it against the others; off: an unmeasured engine counts as the fastest.
+    gpu_prior: bool = True
     room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
     # Pools larger than this are pre-selected (`_preselect`): the candidates holding the longest
     # prefix of the prompt plus a random sample of the others, up to this many, are predicted in
@@ -193,7 +197,7 @@ class PredictedTtftScorer:
     def _wait(self, model: _UpstreamModel, load: Load | None, now: float) -> float:
         """Seconds of prefill queued ahead, with the engine's last word applied."""
         sent = model.sent
-        while sent and sent[0][0] < now - 60.0:
+        while sent and sent[0][0] < now - SENT_WINDOW_S:
             sent.popleft()
         if load is not None and load.published_at > model.snapshot_at and "num_waiting" not in load.unknown:
             # (an estimated queue, the fleet's median standing in for one the engine did not
@@ -286,9 +290,13 @@ class PredictedTtftScorer:
                 lengths[i] = self._matched(request, hashes, self._model(uid, None), uid, state)
             holders.sort(key=lengths.__getitem__, reverse=True)
             del holders[k // 2 :]
+        # The random rest: a sample of all indices, less the holders it drew (k draws, not a pass
+        # over the pool).
         taken = set(holders)
-        rest = [i for i in range(len(candidates)) if i not in taken]
-        return holders + self._rng.sample(rest, min(len(rest), k - len(holders)))
+        n = len(candidates)
+        need = min(n - len(taken), k - len(holders))
+        drawn = self._rng.sample(range(n), min(n, need + len(taken)))
+        return holders + [i for i in drawn if i not in taken][:need]
 
     def _scan_list(self, candidates: Sequence[Upstream]) -> list[_Scan]:
         """Kept for an immutable candidates tuple (the view's, until it is rebuilt) while no model is
@@ -366,22 +374,37 @@ class PredictedTtftScorer:
         while an H100 next to an A10G (~14x) gets its share. The absolute figure stays the
         configured one, which errs low on purpose (docs/tuning.md). An upstream not measured yet
         counts as the fastest group: optimistic, because one taken for slow would get too little
-        traffic ever to be measured (a slow one is measured soonest)."""
+        traffic ever to be measured (a slow one is measured soonest); unless its snapshots name a
+        GPU in fleet/gpus.py's table (`gpu_prior`): then its GPU's nominal speed stands in, scaled
+        to the measured ones (`_with_prior`), so a mixed fleet starts out balanced."""
         # Upstreams and loads are immutable and replaced when the view is rebuilt: the same objects
-        # give the same rates. The cache holds them, so their ids cannot be reused meanwhile.
+        # give the same rates. The cache holds them, so their ids cannot be reused meanwhile. The
+        # same two tuples (the view's candidates, loads_of()'s answer) are the common case: no
+        # per-candidate work at all.
+        held_candidates, held_loads = self._rates_held
+        if candidates is held_candidates and loads is held_loads:
+            return self._rates_cache
         key = (tuple(map(id, candidates)), tuple(map(id, loads)))
         if key == self._rates_key:
             return self._rates_cache
         speed: dict[str, float] = {}
+        nominal: dict[str, float] = {}
         if self.measured_rate:
             for u, load in zip(candidates, loads, strict=True):
-                if load is not None and load.prefill_tokens_per_s:
+                if load is None:
+                    continue
+                if load.prefill_tokens_per_s:
                     speed[u.id] = load.prefill_tokens_per_s / u.weight
+                if self.gpu_prior and load.gpu_speed:
+                    nominal[u.id] = load.gpu_speed / u.weight
         fastest = 1.0
         if speed:
             speed = _grouped(speed, self.rate_tolerance)
             slowest = min(speed.values())
             speed = {uid: r / slowest for uid, r in speed.items()}
+        if len(speed) < len(candidates) and nominal:
+            speed = _with_prior(speed, nominal)
+        if speed:
             fastest = max(speed.values())
         base = self.prefill_tokens_per_s
         rates = {u.id: base * u.weight * speed.get(u.id, fastest) for u in candidates}
@@ -531,6 +554,26 @@ class PredictedTtftScorer:
 
     def index_sizes(self) -> dict[str, int]:
         return {uid: m.cache.used_blocks for uid, m in self._models.items()}
+
+
+def _with_prior(measured: dict[str, float], nominal: dict[str, float]) -> dict[str, float]:
+    """Relative speeds with unmeasured upstreams filled in from their GPUs' nominal speeds.
+
+    With measurements, a nominal figure is scaled by the median ratio of measured to nominal speed
+    over the upstreams that have both (how this model runs on these GPUs); with none to compare,
+    nominal speeds alone order the upstreams whenever nothing is measured yet."""
+    out = dict(measured)
+    if measured:
+        ratios = sorted(measured[uid] / nominal[uid] for uid in measured if uid in nominal)
+        if not ratios:
+            return out
+        scale = ratios[len(ratios) // 2]
+    else:
+        scale = 1.0 / min(nominal.values())
+    for uid, n in nominal.items():
+        if uid not in out:
+            out[uid] = n * scale
+    return out
 
 
 def _grouped(rates: dict[str, float], tolerance: float) -> dict[str, float]:

@@ -484,6 +484,42 @@ def summary_table(results: Sequence[CellResult]) -> str:
     return "\n".join(lines)
 
 
+def variant_lines(results: Sequence[CellResult]) -> list[str]:
+    """llm-extproc run another way beside the default (rows named `llm-extproc-*`, e.g. with the
+    engines' KV events): its geometric-mean TTFT against the best reference and against the
+    default's, over the cells where all three ran; the cells where it is > 5 % worse or better."""
+    names = sorted({n for r in results for n in r.policies if n.startswith(OURS + "-")})
+    out: list[str] = []
+    for name in names:
+        rows = []
+        for r in results:
+            ours, other = r.policies.get(OURS), r.policies.get(name)
+            best = r.ratios.get("best_reference")
+            ref = r.policies.get(best) if best else None
+            values = [p.get("ttft_geomean_ms") if p else None for p in (other, ours, ref)]
+            if all(v is not None and v > 0 for v in values):
+                v, o, b = (float(x) for x in values if x is not None)
+                rows.append((r.cell.name, v / b, o / b, v / o))
+        if not rows:
+            continue
+
+        def gm(i: int, rows: list[tuple[str, float, float, float]] = rows) -> float:
+            return math.exp(sum(math.log(float(row[i])) for row in rows) / len(rows))
+
+        worse = [f"{c} {x:.2f}x" for c, _, _, x in sorted(rows, key=lambda row: -row[3]) if x > 1.05]
+        better = [f"{c} {x:.2f}x" for c, _, _, x in sorted(rows, key=lambda row: row[3]) if x < 1 / 1.05]
+        out += [
+            f"## Variant `{name}`",
+            "",
+            f"Over {len(rows)} cells, geometric mean of TTFT geomean / best reference: {gm(1):.3f} "
+            f"(`{OURS}`: {gm(2):.3f}); / `{OURS}`: {gm(3):.3f}.",
+            f"- > 5 % worse than `{OURS}`: {', '.join(worse) or 'none'}",
+            f"- > 5 % better: {', '.join(better) or 'none'}",
+            "",
+        ]
+    return out
+
+
 def detail_table(result: CellResult) -> str:
     """Every policy of one cell."""
     lines = [
@@ -589,6 +625,7 @@ def write_results(
         "",
         *([f"- {m}" for m in misses(results)] or ["none"]),
         "",
+        *variant_lines(results),
         "## Cells",
         "",
     ]

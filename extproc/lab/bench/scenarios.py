@@ -7,6 +7,7 @@ the same simulated engines, drives the same requests through each, and writes JS
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
@@ -426,6 +427,7 @@ async def _start_target(
     wait_port: Any,
     replicas: int = 1,
     service_extra: dict[str, Any] | None = None,
+    gateways: list[LocalGateway] | None = None,
 ) -> str | None:
     workdir.mkdir(parents=True, exist_ok=True)
     ports = group.ports
@@ -437,7 +439,11 @@ async def _start_target(
         publisher = Publisher(
             PublisherConfig(
                 redis=RedisSettings(url=redis.url, pool="demo"),
-                instances=[InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
+                # The engines' GPU names, as DCGM's modelName or the `gpu:` setting would give them.
+                instances=[
+                    InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim", gpu=_gpu_name(group, i))
+                    for i, (c, p) in enumerate(clusters.items())
+                ],
                 interval_s=0.5,
             )
         )
@@ -451,6 +457,8 @@ async def _start_target(
         stops.append(stop_publisher)
         gw.start()
         stops.append(gw.stop)
+        if gateways is not None:
+            gateways.append(gw)
         # Every engine published READY (a fixed sleep was too short on a loaded machine: requests
         # sent before got 503s), then one more interval for the service's feed to apply it.
         deadline = time.monotonic() + 30.0
@@ -493,6 +501,11 @@ async def _start_target(
     return f"http://127.0.0.1:{port}"
 
 
+def _gpu_name(group: EngineGroup, i: int) -> str:
+    driver = group.engines[i].driver
+    return driver.model.profile.gpu if driver is not None else ""
+
+
 async def _stop_target(stops: list[Any], group: EngineGroup) -> None:
     """Undo `_start_target`: its `stops` last first (awaiting the async ones), then the engines."""
     for stop in reversed(stops):
@@ -511,12 +524,15 @@ async def run_live_requests(
     workdir: Path,
     replicas: int = 1,
     service_extra: dict[str, Any] | None = None,
+    agreement: list[tuple[float, int, str, float]] | None = None,
 ) -> tuple[list[RequestRecord], float] | None:
     """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
     time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
     virtual seconds (so they compare with the discrete-event mode; a router's own real overhead is
     magnified by `time_scale` in the process). Returns (records, virtual duration), or None when the
-    policy's peer is not installed."""
+    policy's peer is not installed. With `agreement` (a list) and several llm-extproc replicas, each
+    replica's `llm_extproc_sync_agreement{plugin}` is read every `AGREEMENT_EVERY_S` while the
+    requests run and appended as (seconds since the first request, replica, plugin, value)."""
     import subprocess
 
     from extproc.lab.stack import wait_port
@@ -528,15 +544,23 @@ async def run_live_requests(
     _quiet_http2_probes()
     group = EngineGroup([], MODEL, profiles=profiles, time_scale=time_scale)
     stops: list[Any] = []
+    gateways: list[LocalGateway] = []
+    sampler: asyncio.Task[None] | None = None
     try:
         url = await _start_target(
-            policy, group, workdir, stops, subprocess, wait_port, replicas, service_extra
+            policy, group, workdir, stops, subprocess, wait_port, replicas, service_extra, gateways
         )
         if url is None:
             return None
+        if agreement is not None and gateways and replicas > 1:
+            sampler = asyncio.create_task(_sample_agreement(gateways[0], replicas, agreement))
         real = [(a / time_scale, body, tag) for a, body, tag in requests]
         records, wall = await open_loop(url + "/v1/chat/completions", real, progress=policy)
     finally:
+        if sampler is not None:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
         await _stop_target(stops, group)
     for r in records:
         r.arrival_s *= time_scale
@@ -545,6 +569,29 @@ async def run_live_requests(
             r.ttft_s *= time_scale
         r.inter_token_s = [g * time_scale for g in r.inter_token_s]
     return records, wall * time_scale
+
+
+AGREEMENT_EVERY_S = 2.0
+_AGREEMENT = 'llm_extproc_sync_agreement{plugin="'
+
+
+async def _sample_agreement(
+    gw: LocalGateway, replicas: int, out: list[tuple[float, int, str, float]]
+) -> None:
+    """Every replica's agreement gauges (server/sync.py), read from its metrics port until cancelled;
+    a replica that does not answer is skipped for that round."""
+    start = time.monotonic()
+    while True:
+        await asyncio.sleep(AGREEMENT_EVERY_S)
+        for i in range(replicas):
+            try:
+                samples = await asyncio.to_thread(gw.metrics, i)
+            except OSError:
+                continue
+            for key, value in samples.items():
+                if key.startswith(_AGREEMENT):
+                    plugin = key[len(_AGREEMENT) :].split('"', 1)[0]
+                    out.append((time.monotonic() - start, i, plugin, value))
 
 
 class _Http2ProbeFilter(logging.Filter):

@@ -42,7 +42,7 @@ from extproc.lab.bench.grid import (
     prefix_tokens,
 )
 from extproc.lab.bench.report import RequestRecord, summarize
-from extproc.lab.discrete_event.simulation import POLICIES, Request, simulate, tokenize_requests
+from extproc.lab.discrete_event.simulation import POLICIES, VARIANTS, Request, simulate, tokenize_requests
 from extproc.lab.engines.model import EngineModel
 from extproc.lab.engines.profiles import GpuProfile
 
@@ -167,7 +167,7 @@ def run_des_grid(
     progress: Callable[[str], None] | None = print,
 ) -> list[CellResult]:
     """`llm-extproc simulate --grid NAME`: every policy in every cell; JSON + markdown under `out_dir`."""
-    check_policies(policies, POLICIES)
+    check_policies(policies, (*POLICIES, *VARIANTS))
     chosen = grid(name, cells)
     started = time.perf_counter()
     results: list[CellResult] = []

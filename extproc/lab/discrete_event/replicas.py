@@ -56,6 +56,7 @@ class Row:
     setup: str  # "1 replica", "N shared", "N alone"
     report: Report
     wall_s: float
+    agreement: dict[str, dict[str, float]] | None = None  # live, N replicas: per plugin (agreement_summary)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -64,7 +65,26 @@ class Row:
             "setup": self.setup,
             "wall_s": self.wall_s,
             "report": self.report.as_dict(),
+            "agreement": self.agreement,
         }
+
+
+AGREEMENT_WARMUP_S = 10.0  # live samples before this (seconds into the run) are left out
+
+
+def agreement_summary(samples: Sequence[tuple[float, int, str, float]]) -> dict[str, dict[str, float]] | None:
+    """Per plugin: mean, min and count of the replicas' `llm_extproc_sync_agreement` samples taken
+    after the first AGREEMENT_WARMUP_S (the indexes start empty and identical, then fill)."""
+    by_plugin: dict[str, list[float]] = {}
+    for t, _, plugin, value in samples:
+        if t >= AGREEMENT_WARMUP_S:
+            by_plugin.setdefault(plugin, []).append(value)
+    if not by_plugin:
+        return None
+    return {
+        p: {"mean": sum(v) / len(v), "min": min(v), "samples": float(len(v))}
+        for p, v in sorted(by_plugin.items())
+    }
 
 
 def setups(replicas: int) -> list[tuple[str, int, bool]]:
@@ -130,6 +150,7 @@ async def run_live(
         requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
         for label, n, share in setups(replicas):
             started = time.perf_counter()
+            samples: list[tuple[float, int, str, float]] = []
             result = await live.run_live_requests(
                 "llm-extproc",
                 requests,
@@ -138,12 +159,14 @@ async def run_live(
                 workdir=out / "live" / sc.name / label.replace(" ", "-"),
                 replicas=n,
                 service_extra=_live_service(share),
+                agreement=samples,
             )
             assert result is not None
             records, virtual_s = result
             report = summarize(label, records, virtual_s)
-            rows.append(Row("live", sc.name, label, report, time.perf_counter() - started))
-            print(f"  live {sc.name:8} {label:10} {_brief(report)}", flush=True)
+            agree = agreement_summary(samples) if share and n > 1 else None
+            rows.append(Row("live", sc.name, label, report, time.perf_counter() - started, agree))
+            print(f"  live {sc.name:8} {label:10} {_brief(report)}{_agreement(agree)}", flush=True)
     return rows
 
 
@@ -162,6 +185,14 @@ def _brief(r: Report) -> str:
     return (
         f"hit {_f(r.prefix_cache_hit_rate, 3)}  TTFT p50 {_f(r.ttft_p50_ms, 0)} p90 {_f(r.ttft_p90_ms, 0)} "
         f"p99 {_f(r.ttft_p99_ms, 0)} ms  errors {r.errors}"
+    )
+
+
+def _agreement(summary: dict[str, dict[str, float]] | None) -> str:
+    if not summary:
+        return ""
+    return "  agreement " + ", ".join(
+        f"{p} mean {s['mean']:.3f} min {s['min']:.3f} ({s['samples']:.0f})" for p, s in summary.items()
     )
 
 
@@ -197,6 +228,12 @@ def verdicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
     return out
 
 
+def _agreement_cell(summary: dict[str, dict[str, float]] | None) -> str:
+    if not summary:
+        return "-"
+    return "; ".join(f"{p} {s['mean']:.3f} / {s['min']:.3f}" for p, s in summary.items())
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
@@ -207,8 +244,8 @@ def markdown(rows: Sequence[Row], meta: dict[str, Any]) -> str:
         f"command: `{meta['command']}`)",
         "",
         "| mode | scenario | setup | prefix hit | TTFT p50 ms | p90 ms | p99 ms | errors "
-        "| p90 / 1 replica | hit / 1 replica |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| p90 / 1 replica | hit / 1 replica | replicas' index agreement, mean / min (live) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = {(v["mode"], v["scenario"], v["setup"]): v for v in verdicts(rows)}
     for r in rows:
@@ -218,7 +255,8 @@ def markdown(rows: Sequence[Row], meta: dict[str, Any]) -> str:
             f"| {r.mode} | {r.scenario} | {r.setup} | {_f(rep.prefix_cache_hit_rate, 3)} "
             f"| {_f(rep.ttft_p50_ms, 0)} "
             f"| {_f(rep.ttft_p90_ms, 0)} | {_f(rep.ttft_p99_ms, 0)} | {rep.errors} "
-            f"| {_f(v['p90_ratio'], 2) if v else '-'} | {_f(v['hit_ratio'], 2) if v else '-'} |"
+            f"| {_f(v['p90_ratio'], 2) if v else '-'} | {_f(v['hit_ratio'], 2) if v else '-'} "
+            f"| {_agreement_cell(r.agreement)} |"
         )
     return "\n".join(lines) + "\n"
 

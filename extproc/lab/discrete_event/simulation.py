@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ import orjson
 from extproc.config import ServiceConfig, config_from_dict
 from extproc.fleet import FleetView, RemoteInFlight, decode
 from extproc.fleet import snapshot_pb2 as spb
+from extproc.fleet.kv_index import KvIndex, decode_delta, encode_delta
 from extproc.lab.bench.report import RequestRecord
 from extproc.lab.discrete_event.references import (
     SGLANG_CACHE_AWARE,
@@ -49,6 +51,7 @@ from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.lifecycle.admission import Verdict, Waiter
 from extproc.openai import InferenceRequest, RequestError, RequestHead
 from extproc.openai.parse import parse_head
+from extproc.publishers.kv_events import BlockTranslator
 from extproc.publishers.prefill_rate import PrefillRate
 from extproc.server.sync import ReplicaSync
 from extproc.settings import DEFAULT_PROFILE
@@ -212,8 +215,10 @@ class ExtprocPolicy:
         clock: Callable[[], float],
         replicas: int = 1,
         share: bool = True,
+        token_ids: bool = False,
     ) -> None:
         self.fleet = fleet
+        self.token_ids = token_ids
         n = len(fleet.engines)
         self.replicas: list[_Replica] = []
         for r in range(max(1, replicas)):
@@ -273,9 +278,9 @@ class ExtprocPolicy:
                 e.prompt_tokens_total, e.prefix_cache_hits, e.prefill_time_sum
             )
             snap = spb.UpstreamSnapshot(
-                upstream_id=f"engine-{i}/10.0.{i // 250}.{i % 250 + 1}:8000",
+                upstream_id=f"engine-{i}/{_address(i)}",
                 cluster=f"engine-{i}",
-                address=f"10.0.{i // 250}.{i % 250 + 1}:8000",
+                address=_address(i),
                 engine="sim",
                 readiness=spb.READY if e.ready(now) else spb.WARMING_UP,
                 num_running=e.num_running,
@@ -289,6 +294,7 @@ class ExtprocPolicy:
                 sequence=self.sequence,
                 published_at_ms=int(now * 1000) + 1,
                 ttl_ms=max(100, int(ttl_s * 1000)),
+                gpu_model=e.profile.gpu,
             )
             if rate is not None:
                 snap.prefill_tokens_per_s = rate
@@ -301,11 +307,39 @@ class ExtprocPolicy:
     def choose(self, req: Pending, body: dict[str, Any], now: float) -> int:
         if req.request is not None:  # admitted by admit(): schedule what it prepared
             req.decision = self.replicas[req.replica].lifecycle.schedule(req.request)
+        elif self.token_ids:  # route(), with the engines' token ids as a configured tokenizer gives
+            req.replica = next(self._turn)
+            lifecycle = self.replicas[req.replica].lifecycle
+            request = self._prepare(lifecycle, req, body)
+            lifecycle.admission.admit_now(request)
+            req.decision = lifecycle.schedule(request)
         else:
             req.replica = next(self._turn)
             lifecycle = self.replicas[req.replica].lifecycle
             req.decision = lifecycle.route(self._head(lifecycle, req), orjson.dumps(body))
         return int(req.decision.upstream.cluster.removeprefix("engine-"))
+
+    def _prepare(self, lifecycle: RequestLifecycle, req: Pending, body: dict[str, Any]) -> InferenceRequest:
+        request = lifecycle.prepare(self._head(lifecycle, req), orjson.dumps(body))
+        if self.token_ids:
+            # What the service has when `tokenizers:` holds the engines' own tokenizer: the ids the
+            # engine will see (needed to match the engines' KV events).
+            request.prompt_token_ids = array("I", req.tokens)
+            request.prompt_tokens = len(req.tokens)
+        return request
+
+    def index_kv(self, clock: Callable[[], float]) -> None:
+        """Give every replica a precise prefix index, fed by `deliver_kv` (the engines' KV events)."""
+        for replica in self.replicas:
+            replica.lifecycle.state.kv = KvIndex(clock=clock)
+
+    def deliver_kv(self, data: bytes) -> None:
+        """One publisher delta (fleet/kv_index.py wire format) reaches every replica."""
+        delta = decode_delta(data)
+        for replica in self.replicas:
+            kv = replica.lifecycle.state.kv
+            if isinstance(kv, KvIndex) and delta is not None:
+                kv.apply_delta(delta)
 
     @property
     def admits(self) -> bool:
@@ -317,7 +351,7 @@ class ExtprocPolicy:
         429 of a request shed at once."""
         req.replica = next(self._turn)
         lifecycle = self.replicas[req.replica].lifecycle
-        req.request = lifecycle.prepare(self._head(lifecycle, req), orjson.dumps(body))
+        req.request = self._prepare(lifecycle, req, body)
         if lifecycle.admission.decide(req.request) is Verdict.ADMIT:
             return True
         req.waiter = lifecycle.admission.enqueue(req.request, lambda err: None if err else granted(req))
@@ -395,6 +429,10 @@ class DesRun:
     wall_s: float
 
 
+KV_FLUSH_S = 0.05  # the publisher's kv_events flush_s default
+KV_HEARTBEAT_S = 1.0  # its heartbeat_s default: an empty delta keeps an idle engine's set fresh
+
+
 POLICIES = (
     "llm-extproc",
     "round-robin",
@@ -404,6 +442,13 @@ POLICIES = (
     "exact-ttft",
     "clairvoyant-affinity",
 )
+# llm-extproc run another way, by name, so that a grid can put it beside the default in every cell
+# (`--policies ...,llm-extproc-kv-events`): with the engines' KV events (and the token ids they need),
+# or with token ids alone (a service with the engines' tokenizer but no events).
+VARIANTS: dict[str, dict[str, bool]] = {
+    "llm-extproc-kv-events": {"kv_events": True},
+    "llm-extproc-token-ids": {"token_ids": True},
+}
 PEER_CONFIGS: dict[str, CacheAwareConfig] = {
     "sglang-cache-aware": SGLANG_CACHE_AWARE,
     "vllm-router-cache-aware": VLLM_ROUTER_CACHE_AWARE,
@@ -449,6 +494,10 @@ def simulate(
     share: bool = True,
     sync_delay_s: float = 0.002,
     headers: Sequence[dict[str, str] | None] | None = None,
+    kv_events: bool = False,
+    token_ids: bool | None = None,
+    kv_flush_s: float = KV_FLUSH_S,
+    kv_delay_s: float = 0.002,
 ) -> DesRun:
     """Run one policy over the workload on fresh engines; every request gets a record.
 
@@ -460,14 +509,38 @@ def simulate(
     (Redis pub/sub on a LAN). `headers` gives each request its own headers
     (priority class, user, TTFT objective); with `service={"admission": {...}}` the llm-extproc
     policy admits, queues and sheds as the service does, in virtual time (a queued request's wait
-    counts in its TTFT)."""
+    counts in its TTFT).
+
+    `kv_events` (llm-extproc only): the engines publish their KV-cache events and the service
+    tokenizes as they do (it gets each request's token ids), as a deployment with the engines'
+    tokenizer and `kv_events:` in the publisher runs. Every `kv_flush_s` the events of each engine go
+    through the publisher's translation (publishers/kv_events.py `BlockTranslator`) into a delta in
+    the Redis wire format, applied `kv_delay_s` later to every replica's `KvIndex`: the precise index
+    predicted-ttft reads, with the publisher's flush as its lag. `token_ids` (default: `kv_events`)
+    gives the service the token ids without the events (prefix hashes of tokens, not of text)."""
     started = time.perf_counter()
-    fleet = Fleet([EngineModel(p) for p in profiles])
+    name, variant = policy, VARIANTS.get(policy)
+    if variant is not None:  # llm-extproc with options, under its own name (a grid's extra row)
+        policy, kv_events, token_ids = (
+            "llm-extproc",
+            variant.get("kv_events", kv_events),
+            variant.get("token_ids"),
+        )
+    with_events = kv_events and policy == "llm-extproc"
+    fleet = Fleet([EngineModel(p, kv_events=with_events) for p in profiles])
     now = 0.0
     chosen: Policy
     extproc: ExtprocPolicy | None = None
     if policy == "llm-extproc":
-        extproc = ExtprocPolicy(fleet, model, service, clock=lambda: now, replicas=replicas, share=share)
+        extproc = ExtprocPolicy(
+            fleet,
+            model,
+            service,
+            clock=lambda: now,
+            replicas=replicas,
+            share=share,
+            token_ids=with_events if token_ids is None else token_ids,
+        )
         chosen = extproc
     elif policy == "round-robin":
         chosen = RoundRobin(fleet)
@@ -482,12 +555,14 @@ def simulate(
             fleet, policy, (peer_configs or PEER_CONFIGS).get(policy, PEER_CONFIGS[policy])
         )
     else:
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+        known = ", ".join((*POLICIES, *VARIANTS))
+        raise ValueError(f"unknown policy {policy!r}; choose from {known}")
 
     # Event queue: (time, order, kind, payload). Kinds: 0 publish, 1 step end, 2 arrival,
     # 3 replica sync heartbeat tick, 4 a sync message delivered (payload: its key in `in_transit`),
     # 5 a queued request granted capacity by admission, 6 a queued request's deadline,
-    # 7 one replica's scheduled sync message (payload: the replica).
+    # 7 one replica's scheduled sync message (payload: the replica), 8 the KV-event publisher's
+    # flush, 9 its delta delivered (payload: its key in `in_transit_kv`).
     admits = extproc is not None and extproc.admits
     queued: dict[int, Pending] = {}  # waiting in the admission queue, by request index
 
@@ -505,6 +580,12 @@ def simulate(
     if sharing:
         heapq.heappush(events, (0.0, next(seq), 3, 0))
     in_transit: dict[int, tuple[int, bytes]] = {}
+    in_transit_kv: dict[int, bytes] = {}
+    kv_feed: _KvFeed | None = None
+    if with_events and extproc is not None:
+        extproc.index_kv(lambda: now)
+        kv_feed = _KvFeed(len(fleet.engines))
+        heapq.heappush(events, (0.0, next(seq), 8, 0))
     stepping = [False] * len(fleet.engines)
     pending: dict[str, Pending] = {}
     records: list[RequestRecord] = []
@@ -541,6 +622,14 @@ def simulate(
                 heapq.heappush(events, (now + heartbeat, next(seq), 3, 0))
         elif kind == 4 and extproc is not None:
             extproc.deliver(*in_transit.pop(payload))
+        elif kind == 8 and kv_feed is not None:
+            for data in kv_feed.flush(fleet.engines, now):
+                key = next(seq)
+                in_transit_kv[key] = data
+                heapq.heappush(events, (now + kv_delay_s, key, 9, key))
+            heapq.heappush(events, (now + kv_flush_s, next(seq), 8, 0))
+        elif kind == 9 and extproc is not None:
+            extproc.deliver_kv(in_transit_kv.pop(payload))
         elif kind == 6 and extproc is not None:  # a queued request's max wait is over
             req = queued.pop(payload, None)
             if req is not None and extproc.expire(req):
@@ -604,7 +693,38 @@ def simulate(
                 )
             start_step(payload, now)
     records.sort(key=lambda r: r.arrival_s)
-    return DesRun(policy, records, now, time.perf_counter() - started)
+    return DesRun(name, records, now, time.perf_counter() - started)
+
+
+class _KvFeed:
+    """`llm-extproc publish`'s KV-event relay for the simulated engines: per engine a translator,
+    a sequence and the time of its last message (fleet/kv_index.py deltas, epoch 1)."""
+
+    def __init__(self, engines: int, block_tokens: int = 64) -> None:
+        self.translators = [BlockTranslator(block_tokens) for _ in range(engines)]
+        self.seq = [-1] * engines
+        self.sent = [-1e9] * engines
+
+    def flush(self, engines: Sequence[EngineModel], now: float) -> list[bytes]:
+        out: list[bytes] = []
+        for i, engine in enumerate(engines):
+            tr = self.translators[i]
+            for ev in engine.drain_kv_events():
+                tr.apply(ev)
+            cleared, added, removed = tr.take_delta()
+            first = self.seq[i] < 0
+            if not (first or cleared or added or removed or now - self.sent[i] >= KV_HEARTBEAT_S):
+                continue
+            self.seq[i] += 1
+            self.sent[i] = now
+            uid = f"engine-{i}/{_address(i)}"
+            # The first message of the epoch is a full state (cleared, then what the engine holds).
+            out.append(encode_delta(uid, 1, self.seq[i], added, removed, cleared or first, None))
+        return out
+
+
+def _address(i: int) -> str:
+    return f"10.0.{i // 250}.{i % 250 + 1}:8000"
 
 
 def _failed(req: Pending, status: int, error: str) -> RequestRecord:

@@ -26,6 +26,7 @@ class GpuProfile:
     decode_s_per_seq: float  # cost per decoding sequence in a step
     decode_s_per_kv_token: float  # memory-bound cost per context token read by decoding sequences
     sources: str
+    gpu: str = ""  # the GPU's name as NVIDIA's DCGM exporter gives it (modelName); "" for none
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks", "block_size"):
@@ -96,6 +97,7 @@ H100_LLAMA3_8B = GpuProfile(
     decode_base_s=_weights_read_s(H100_BANDWIDTH),
     decode_s_per_seq=_prefill_s(H100_BF16_DENSE),
     decode_s_per_kv_token=_kv_token_read_s(H100_BANDWIDTH),
+    gpu="NVIDIA H100 80GB HBM3",
     sources="""\
 H100 SXM 80GB serving Llama-3.1-8B-Instruct (bf16) with vLLM V1 defaults for the OpenAI server.
 - max_num_seqs 1024, max_num_batched_tokens 8192: vLLM's defaults on GPUs with >= 70 GiB that are not
@@ -131,6 +133,7 @@ A10G_LLAMA3_8B = GpuProfile(
     decode_base_s=_weights_read_s(A10G_BANDWIDTH),
     decode_s_per_seq=_prefill_s(A10G_BF16_DENSE),
     decode_s_per_kv_token=_kv_token_read_s(A10G_BANDWIDTH),
+    gpu="NVIDIA A10G",
     sources="""\
 A10G 24GB (AWS G5) serving an 8B Llama-architecture model (bf16) with vLLM defaults.
 - max_num_seqs 256, max_num_batched_tokens 2048: vLLM's defaults for the OpenAI server on GPUs under
