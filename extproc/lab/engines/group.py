@@ -24,9 +24,12 @@ class EngineGroup:
         max_batch: int = 0,
         profiles: Sequence[GpuProfile | None] | None = None,
         time_scale: float = 1.0,
+        lora_slots: int = 0,
+        lora_load_s: float = 0.3,
     ) -> None:
         """One engine per entry of `delays_s` (fixed-cost engines), or, with `profiles`, one model-driven
-        engine per profile (None entries stay fixed-cost)."""
+        engine per profile (None entries stay fixed-cost). `lora_slots` > 0: the fixed-cost engines
+        serve LoRA adapters (server.LoraSlots)."""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
         self._thread.start()
@@ -40,6 +43,8 @@ class EngineGroup:
                 max_batch=max_batch,
                 profile=p,
                 time_scale=time_scale,
+                lora_slots=lora_slots,
+                lora_load_s=lora_load_s,
             )
             for i, p in enumerate(kinds)
         ]

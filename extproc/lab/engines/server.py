@@ -14,6 +14,7 @@ import hashlib
 import math
 import time
 import uuid
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,75 @@ class EngineStats:
     prefill_count: int = 0
     prefill_time_sum: float = 0.0
     routing_headers: list[dict[str, str]] = field(default_factory=list)
+    # LoRA (fixed-cost engine with lora_slots): requests whose adapter was in GPU memory when they
+    # arrived, those whose adapter was not, and adapter loads.
+    lora_hits: int = 0
+    lora_misses: int = 0
+    lora_loads: int = 0
+
+
+class LoraSlots:
+    """vLLM's LoRA scheduling, reduced: at most `slots` distinct adapters in the running batch, the
+    adapters in GPU memory an LRU of that size (one with running requests is never evicted), loading
+    one that is not there takes `load_s`. A request whose adapter cannot get a slot waits (vLLM's
+    scheduler skips it until a running adapter's last request ends)."""
+
+    def __init__(self, slots: int, load_s: float) -> None:
+        self.slots = slots
+        self.load_s = load_s
+        self.loaded: OrderedDict[str, None] = OrderedDict()  # in GPU memory, least recent first
+        self.running: Counter[str] = Counter()
+        self.waiting: Counter[str] = Counter()
+        self._loading: dict[str, asyncio.Future[None]] = {}
+        self._cond: asyncio.Condition | None = None
+
+    async def acquire(self, adapter: str, stats: EngineStats) -> None:
+        """Wait for a slot for `adapter` in the running batch; counted as a hit when the adapter is in
+        GPU memory on arrival. Each acquire needs one `release`."""
+        if adapter in self.loaded:
+            stats.lora_hits += 1
+        else:
+            stats.lora_misses += 1
+        cond = self._cond = self._cond or asyncio.Condition()
+        self.waiting[adapter] += 1
+        try:
+            async with cond:
+                await cond.wait_for(lambda: adapter in self.running or len(self.running) < self.slots)
+                self.running[adapter] += 1
+        finally:
+            self.waiting[adapter] -= 1
+            if not self.waiting[adapter]:
+                del self.waiting[adapter]
+
+    async def load(self, adapter: str, stats: EngineStats) -> None:
+        """After `acquire`: the adapter in GPU memory (loaded now, evicting the least recently used
+        idle one, or already there, or being loaded by another request)."""
+        if adapter in self.loaded and adapter not in self._loading:
+            self.loaded.move_to_end(adapter)
+            return
+        pending = self._loading.get(adapter)
+        if pending is not None:  # another request of it is loading it
+            await asyncio.shield(pending)
+            return
+        while len(self.loaded) >= self.slots:  # some loaded adapter has no running request
+            victim = next(a for a in self.loaded if a not in self.running)
+            del self.loaded[victim]
+        self.loaded[adapter] = None
+        done = self._loading[adapter] = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.sleep(self.load_s)
+            stats.lora_loads += 1
+        finally:
+            del self._loading[adapter]
+            done.set_result(None)
+
+    async def release(self, adapter: str) -> None:
+        cond = self._cond = self._cond or asyncio.Condition()
+        async with cond:
+            self.running[adapter] -= 1
+            if not self.running[adapter]:
+                del self.running[adapter]
+            cond.notify_all()
 
 
 class SimEngine:
@@ -75,8 +145,13 @@ class SimEngine:
         check_model: bool = False,
         kv_events_port: int | None = None,
         kv_events_topic: str = "",
+        lora_slots: int = 0,
+        lora_load_s: float = 0.3,
     ) -> None:
         self.name = name
+        # LoRA adapters (fixed-cost engine only): a request whose `model` is not the base model asks
+        # for an adapter of that name, served through `lora_slots` slots (LoraSlots); 0: none.
+        self.lora = LoraSlots(lora_slots, lora_load_s) if lora_slots > 0 else None
         # KV-cache events (model-driven engines only): vLLM's ZMQ PUB on this port (0: any free one,
         # read `kv_events_port` after start()); None: off.
         self.kv_events_port = kv_events_port
@@ -197,7 +272,15 @@ class SimEngine:
         self.stats.active += 1
         self.stats.max_active = max(self.stats.max_active, self.stats.active)
         arrived = time.perf_counter()
+        model = doc.get("model")
+        adapter = model if self.lora is not None and isinstance(model, str) and model != self.model else None
+        entered = False
         try:
+            if adapter is not None:
+                assert self.lora is not None
+                await self.lora.acquire(adapter, self.stats)
+                entered = True
+                await self.lora.load(adapter, self.stats)
             async with self._slots or contextlib.nullcontext():
                 self.stats.running += 1
                 try:
@@ -209,6 +292,9 @@ class SimEngine:
             raise
         finally:
             self.stats.active -= 1
+            if entered:
+                assert self.lora is not None and adapter is not None
+                await asyncio.shield(self.lora.release(adapter))
 
     async def _run(
         self,
@@ -497,6 +583,8 @@ class SimEngine:
             registry=self.registry,
         )
         info.labels(**info_labels).set(1)
+        if self.lora is not None:
+            self.registry.register(_LoraCollector(self.lora, labels))
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -515,6 +603,9 @@ class SimEngine:
                 "max_active": s.max_active,
                 "completed": s.completed,
                 "disconnected": s.disconnected,
+                "lora_hits": s.lora_hits,
+                "lora_misses": s.lora_misses,
+                "lora_loads": s.lora_loads,
                 "routing_headers": s.routing_headers[-100:],
             }
         )
@@ -525,6 +616,24 @@ class SimEngine:
         self.stats.routing_headers.append(seen)
         if len(self.stats.routing_headers) > 1000:
             del self.stats.routing_headers[:500]
+
+
+class _LoraCollector(Collector):
+    """vLLM's `vllm:lora_requests_info`: a gauge whose labels list the adapters with running and with
+    waiting requests (comma-separated) and the slots (`max_lora`); its value is the time of the
+    report."""
+
+    def __init__(self, lora: LoraSlots, labels: dict[str, str]) -> None:
+        self.lora = lora
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        names = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.", labels=names)
+        lora = self.lora
+        values = [str(lora.slots), ",".join(sorted(lora.running)), ",".join(sorted(lora.waiting))]
+        family.add_metric(values, time.time())
+        yield family
 
 
 class _PrefixCacheCollector(Collector):
