@@ -377,6 +377,7 @@ async def run_live_bench(
     unknown = [p for p in policies if p not in LIVE_POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(LIVE_POLICIES)}")
+    _quiet_http2_probes()  # sglang-router's HTTP/2 probes of the engines (the demo runs it too)
     gpu = [PROFILES[p] for p in profiles]
     out_dir.mkdir(parents=True, exist_ok=True)
     wl = make_workload(workload, rate=rate, count=count + warmup, seed=seed, model=MODEL, **(params or {}))
