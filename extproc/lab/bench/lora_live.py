@@ -34,11 +34,10 @@ from typing import Any
 import aiohttp
 
 from extproc.lab.bench.lora_latency import LORA_PROFILE
-from extproc.lab.bench.scenarios import MODEL, _n_cluster_gateway
+from extproc.lab.bench.scenarios import MODEL, _n_cluster_gateway, start_publisher, wait_published
 from extproc.lab.engines import EngineGroup
 from extproc.lab.stack import local_redis
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
-from extproc.settings import RedisSettings
+from extproc.publishers.publisher import InstanceSpec
 
 POLICIES: dict[str, dict[str, Any]] = {
     "lora": LORA_PROFILE,
@@ -85,31 +84,16 @@ async def run_policy(
         models = [MODEL, *names]
         pool = {"clusters": [{"name": c, "models": models} for c in clusters]}
         gw = _n_cluster_gateway(workdir, clusters, redis.url, POLICIES[policy], service_extra={"pool": pool})
-        publisher = Publisher(
-            PublisherConfig(
-                redis=RedisSettings(url=redis.url, pool="demo"),
-                instances=[
-                    InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim", models=tuple(models))
-                    for c, p in clusters.items()
-                ],
-                interval_s=1.0,
-                scrape_timeout_s=0.8,
-            )
+        publisher = start_publisher(
+            redis.url,
+            [InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim", models=tuple(models)) for c, p in clusters.items()],
+            stops,
+            interval_s=1.0,
+            scrape_timeout_s=0.8,
         )
-        stop_pub = asyncio.Event()
-        task = asyncio.create_task(publisher.run(stop_pub))
-
-        async def stop_publisher() -> None:
-            stop_pub.set()
-            await task
-
-        stops.append(stop_publisher)
         gw.start()
         stops.append(gw.stop)
-        deadline = time.monotonic() + 30.0
-        while publisher.ready_instances() < engines and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
+        await wait_published(publisher, engines)
         return await _drive(policy, gw.url, group, names, rate, duration_s, warmup_s, zipf, seed)
     finally:
         for stop in reversed(stops):

@@ -437,35 +437,20 @@ async def _start_target(
         stops.append(redis.stop)
         clusters = {f"gpu-{i}": [p] for i, p in enumerate(ports)}
         gw = _n_cluster_gateway(workdir, clusters, redis.url, replicas=replicas, service_extra=service_extra)
-        publisher = Publisher(
-            PublisherConfig(
-                redis=RedisSettings(url=redis.url, pool="demo"),
-                # The engines' GPU names, as DCGM's modelName or the `gpu:` setting would give them.
-                instances=[
-                    InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim", gpu=_gpu_name(group, i))
-                    for i, (c, p) in enumerate(clusters.items())
-                ],
-                interval_s=0.5,
-            )
+        publisher = start_publisher(
+            redis.url,
+            # The engines' GPU names, as DCGM's modelName or the `gpu:` setting would give them.
+            [
+                InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim", gpu=_gpu_name(group, i))
+                for i, (c, p) in enumerate(clusters.items())
+            ],
+            stops,
         )
-        stop_pub = asyncio.Event()
-        task = asyncio.create_task(publisher.run(stop_pub))
-
-        async def stop_publisher() -> None:
-            stop_pub.set()
-            await task
-
-        stops.append(stop_publisher)
         gw.start()
         stops.append(gw.stop)
         if gateways is not None:
             gateways.append(gw)
-        # Every engine published READY (a fixed sleep was too short on a loaded machine: requests
-        # sent before got 503s), then one more interval for the service's feed to apply it.
-        deadline = time.monotonic() + 30.0
-        while publisher.ready_instances() < len(clusters) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
+        await wait_published(publisher, len(clusters))
         return gw.url
     if policy.startswith("envoy-"):
         lb = {"envoy-round-robin": "ROUND_ROBIN", "envoy-least-request": "LEAST_REQUEST"}[policy]
@@ -500,6 +485,44 @@ async def _start_target(
     wait_port("127.0.0.1", port, 30)
     await asyncio.sleep(3.0)  # workers registered and health-checked
     return f"http://127.0.0.1:{port}"
+
+
+def start_publisher(
+    redis_url: str,
+    instances: list[InstanceSpec],
+    stops: list[Any],
+    *,
+    interval_s: float = 0.5,
+    scrape_timeout_s: float | None = None,
+) -> Publisher:
+    """`llm-extproc publish` in this process's event loop for a lab stack (pool "demo"); how to stop
+    it is appended to `stops` (an async callable)."""
+    publisher = Publisher(
+        PublisherConfig(
+            redis=RedisSettings(url=redis_url, pool="demo"),
+            instances=instances,
+            interval_s=interval_s,
+            scrape_timeout_s=scrape_timeout_s,
+        )
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(publisher.run(stop))
+
+    async def stop_publisher() -> None:
+        stop.set()
+        await task
+
+    stops.append(stop_publisher)
+    return publisher
+
+
+async def wait_published(publisher: Publisher, count: int, timeout_s: float = 30.0) -> None:
+    """Until `count` instances were published READY (a fixed sleep was too short on a loaded
+    machine: requests sent before got 503s), then one more second for the service's feed."""
+    deadline = time.monotonic() + timeout_s
+    while publisher.ready_instances() < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.0)
 
 
 def _gpu_name(group: EngineGroup, i: int) -> str:

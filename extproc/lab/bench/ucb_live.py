@@ -38,11 +38,10 @@ from typing import Any
 
 import aiohttp
 
-from extproc.lab.bench.scenarios import MODEL, Baselines, _n_cluster_gateway
+from extproc.lab.bench.scenarios import MODEL, Baselines, _n_cluster_gateway, start_publisher
 from extproc.lab.engines import EngineGroup
 from extproc.lab.stack import LocalGateway, local_redis
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
-from extproc.settings import RedisSettings
+from extproc.publishers.publisher import InstanceSpec
 
 
 def ucb_profile(
@@ -139,22 +138,13 @@ async def _start(policy: str, workdir: Path, delay_s: float, stops: list[Any]) -
         PROFILES[policy],
         service_extra={"explain": {"keep_last": KEEP_DECISIONS}},
     )
-    publisher = Publisher(
-        PublisherConfig(
-            redis=RedisSettings(url=redis.url, pool="demo"),
-            instances=[InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
-            interval_s=1.0,
-            scrape_timeout_s=0.8,  # a loaded machine: a late scrape must not read as a dead engine
-        )
+    start_publisher(
+        redis.url,
+        [InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
+        stops,
+        interval_s=1.0,
+        scrape_timeout_s=0.8,  # a loaded machine: a late scrape must not read as a dead engine
     )
-    stop_pub = asyncio.Event()
-    task = asyncio.create_task(publisher.run(stop_pub))
-
-    async def stop_publisher() -> None:
-        stop_pub.set()
-        await task
-
-    stops.append(stop_publisher)
     gw.start()
     stops.append(gw.stop)
     debug = f"http://127.0.0.1:{gw.metrics_port}/debug/decisions"
