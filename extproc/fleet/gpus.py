@@ -16,6 +16,7 @@ G5) has no public datasheet; 70 is the figure the simulated profile assumes (lab
 
 from __future__ import annotations
 
+import functools
 import re
 
 # (pattern, dense tensor TFLOPS). Order matters: "H100 PCIe" before "H100", "L40S" before "L40"
@@ -47,9 +48,11 @@ _COMPILED = tuple((re.compile(p, re.IGNORECASE), t) for p, t in GPU_TFLOPS)
 MAX_GPU_NAME = 64
 
 
+@functools.lru_cache(maxsize=256)
 def gpu_speed(name: str | None) -> float | None:
     """The GPU's nominal prefill speed (dense tensor TFLOPS; only ratios matter), or None when the
-    name is empty or not in the table."""
+    name is empty or not in the table. Cached: every view rebuild asks for each instance's name, and
+    a fleet has a handful of GPU names."""
     if not name:
         return None
     for pattern, tflops in _COMPILED:

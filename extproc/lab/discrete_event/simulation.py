@@ -305,18 +305,12 @@ class ExtprocPolicy:
             replica.view.rebuild()
 
     def choose(self, req: Pending, body: dict[str, Any], now: float) -> int:
-        if req.request is not None:  # admitted by admit(): schedule what it prepared
-            req.decision = self.replicas[req.replica].lifecycle.schedule(req.request)
-        elif self.token_ids:  # route(), with the engines' token ids as a configured tokenizer gives
+        if req.request is None:  # not through admit(): RequestLifecycle.route()'s steps, in order
             req.replica = next(self._turn)
             lifecycle = self.replicas[req.replica].lifecycle
-            request = self._prepare(lifecycle, req, body)
-            lifecycle.admission.admit_now(request)
-            req.decision = lifecycle.schedule(request)
-        else:
-            req.replica = next(self._turn)
-            lifecycle = self.replicas[req.replica].lifecycle
-            req.decision = lifecycle.route(self._head(lifecycle, req), orjson.dumps(body))
+            req.request = self._prepare(lifecycle, req, body)
+            lifecycle.admission.admit_now(req.request)
+        req.decision = self.replicas[req.replica].lifecycle.schedule(req.request)
         return int(req.decision.upstream.cluster.removeprefix("engine-"))
 
     def _prepare(self, lifecycle: RequestLifecycle, req: Pending, body: dict[str, Any]) -> InferenceRequest:
