@@ -325,6 +325,8 @@ def test_index_applies_deltas_in_order_and_resyncs_from_full_sets() -> None:
     assert delta(5, (1, 2)) == "buffered" and held() is None  # no start point yet
     assert index.apply_full(encode_full(uid, 7, 5, [_h(1), _h(2)]))
     assert held() == {_h(1), _h(2)}
+    assert index.holding(_h(2)) == [uid, "c0"]  # the cluster's only instance: its id too
+    assert index.holding(_h(3)) == []
     assert delta(6, (3,), (1,)) == "applied" and held() == {_h(2), _h(3)}
     assert delta(6, (9,)) == "old"
     assert delta(8, (4,)) == "buffered" and held() is None and index.gaps == 1  # 7 was lost
@@ -333,12 +335,15 @@ def test_index_applies_deltas_in_order_and_resyncs_from_full_sets() -> None:
     assert held() == {_h(2), _h(3), _h(5), _h(4)}
     assert delta(9, (), (), cleared=True) == "applied" and held() == set()  # engine restarted
     assert delta(10, (1,), k=1) == "applied"  # the publisher lost events: a lower bound now
+    assert index.holding(_h(1)) == [uid, "c0"]
     got = index.blocks(uid)
     assert got is not None and got.blocks == {_h(1)} and not got.complete
     assert delta(11, k=0) == "applied" and index.blocks(uid) is None  # the engine's socket is down
+    assert index.holding(_h(1)) == []
     assert delta(12, k=2) == "applied" and held() == {_h(1)}
     clock[0] = 3.5
     assert index.blocks(uid) is None  # no word (not even a heartbeat) for longer than stale_after_s
+    assert index.holding(_h(1)) == []
     assert delta(13) == "applied" and held() == {_h(1)}  # a heartbeat
     # A new publisher epoch starts over from its first clear or full set.
     d = decode_delta(encode_delta(uid, 8, 1, [_h(1)], [], False, None))
@@ -598,3 +603,28 @@ def test_predicted_ttft_reads_the_engines_set_only_when_it_can_match_it() -> Non
     assert rescored() == len(ids)
     sets[up[1].id] = KvHeld(set(), complete=False)  # a lower bound: the model's belief counts
     assert rescored() == len(ids) - 10 * 64
+
+
+def test_a_large_pool_pre_selects_the_holders_the_engines_report() -> None:
+    """Past `max_evaluated` candidates, an engine whose KV events show the prompt's first block is
+    among those predicted, found by one pass over the index (kv_holders), though this router never
+    sent it the prompt; a set that is not synced counts for nothing."""
+    clock = [0.0]
+    index = KvIndex(clock=lambda: clock[0])
+    ups = [Upstream(f"c{i}/10.0.0.{i}:1", f"c{i}", f"10.0.0.{i}:1", 1.0) for i in range(40)]
+    ids = list(range(5000, 5000 + 64 * 20))
+    hashes = block_hashes(ids, 64)
+    holder, lost = ups[17].id, ups[23].id
+    assert index.apply_full(encode_full(holder, 1, 1, hashes))
+    d = decode_delta(encode_delta(lost, 1, 4, hashes, [], False, None))
+    assert d is not None and index.apply_delta(d) == "buffered"  # no full set yet: not synced
+    state = SchedulingState(InFlight(), None)
+    state.kv = index
+    assert state.kv_holders(hashes[0]) == [holder, "c17"]
+    req = InferenceRequest(Api.CHAT, "m", False, 4, "", ids, None, None, 0, 0)
+    for seed in range(20):
+        scorer = PredictedTtftScorer(max_evaluated=6)
+        scorer._rng.seed(seed)
+        scores = dict(zip((u.id for u in ups), scorer.score(req, ups, state), strict=True))
+        assert scores[holder] == 1.0, seed  # predicted, and the best: the whole prompt is cached there
+        assert sum(1 for v in scores.values() if v > 0) == 6

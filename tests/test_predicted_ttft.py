@@ -240,6 +240,27 @@ def test_an_unmeasured_gpu_is_scaled_to_the_measured_ones() -> None:
     assert rates["new"] == pytest.approx(2_000 * 989 / 70)  # the median ratio over both is the A10G's
 
 
+def test_engines_on_one_gpu_type_share_one_measured_rate() -> None:
+    """Three A10Gs, the busiest measured at 1/2.6 of the idlest (its decodes slow the steps that
+    prefill): with `same_gpu_same_rate`, one GPU, one rate, so the busy one is not taken for a slower
+    GPU. Off (the default) or without the names, the figures count."""
+    measured = {"fast": 5_200.0, "slow": 2_000.0, "new": 3_300.0}
+    names = ("fast", "slow", "new")
+    lc, view = _mixed_fleet(measured, dict.fromkeys(names, A10G), same_gpu_same_rate=True)
+    assert _rates(lc, view, names) == dict.fromkeys(names, 2_000.0)
+    lc, view = _mixed_fleet(measured, dict.fromkeys(names, A10G))
+    assert _rates(lc, view, names) == pytest.approx({"fast": 5_200.0, "slow": 2_000.0, "new": 3_300.0})
+    lc, view = _mixed_fleet(measured, same_gpu_same_rate=True)
+    assert _rates(lc, view, names)["fast"] > _rates(lc, view, names)["slow"]
+    # Different GPUs keep their own figures: an H100 among A10Gs.
+    lc, view = _mixed_fleet(
+        {"fast": 28_600.0, "slow": 2_000.0, "new": 2_200.0},
+        {"fast": H100, "slow": A10G, "new": A10G},
+        same_gpu_same_rate=True,
+    )
+    assert _rates(lc, view, names) == pytest.approx({"fast": 26_000.0, "slow": 2_000.0, "new": 2_000.0})
+
+
 def test_measured_rates_can_be_switched_off() -> None:
     lc, _ = _mixed_fleet({"fast": 20_000.0, "slow": 2_000.0}, measured_rate=False, prefill_tokens_per_s=3_000)
     picks = Counter(lc.route(HEAD, body(_distinct(q), q)).upstream.id for q in range(60))
@@ -293,6 +314,8 @@ def _distinct(q: int) -> str:
         {"block_tokens": -1},
         {"evict_weight": -1},
         {"copy_discount": 2},
+        {"copy_demand": -1},
+        {"demand_window_s": 0},
         {"rate_tolerance": 0.5},
         {"max_evaluated": 1},
         {"max_evaluated": -2},
@@ -301,3 +324,71 @@ def _distinct(q: int) -> str:
 def test_bad_parameters_are_config_errors(params: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="predicted-ttft"):
         lifecycle(2, **params)
+
+
+class _CountsOnly:
+    """A fleet without snapshots: each upstream's own in-flight count is all there is."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = counts
+
+    def count(self, upstream_id: str) -> int:
+        return self.counts[upstream_id]
+
+    def load(self, upstream_id: str) -> None:
+        return None
+
+    def loads_of(self, upstreams: Any) -> list[None]:
+        return [None] * len(upstreams)
+
+    def pending(self, upstream_id: str) -> int:
+        return 0
+
+    def kv_blocks(self, upstream_id: str) -> None:
+        return None
+
+    def kv_holders(self, block: bytes) -> list[str]:
+        return []
+
+    def now(self) -> float:
+        return NOW
+
+
+def test_a_copy_is_discounted_only_for_a_prefix_that_later_requests_share() -> None:
+    """With `copy_demand`, copying a busy holder's prefix to an idle engine is discounted only when
+    recent requests matched the same held prefix: a tenant's system prompt, not a conversation whose
+    every turn matches one block deeper than the last."""
+    busy, idle = Upstream("busy", "busy", None, 1.0), Upstream("idle", "idle", None, 1.0)
+    state: Any = _CountsOnly({"busy": 6, "idle": 0})
+
+    def req(ids: list[int]) -> InferenceRequest:
+        return InferenceRequest(Api.CHAT, "m", False, 4, "", ids, None, None, 0, 0)
+
+    def copy_cost(scorer: PredictedTtftScorer, ids: list[int]) -> float:
+        """Scores a request, places it at the busy holder, and returns what the score charged the
+        idle engine beyond its own TTFT (its placement costs: a copy's here)."""
+        request = req(ids)
+        own, predicted = scorer._evaluate(request, (busy, idle), state)
+        scorer.on_pick(request, busy, state)
+        return predicted[1] - own[1]
+
+    system = list(range(10_000, 10_000 + 64 * 20))  # 20 blocks, then each request's own question
+    conversation = list(range(50_000, 50_000 + 64 * 20))
+    for scorer in (PredictedTtftScorer(copy_demand=3), PredictedTtftScorer(copy_demand=0)):
+        demanded = scorer.copy_demand > 0
+        scorer.on_pick(req([*system, 1]), busy, state)
+        scorer.on_pick(req(conversation), busy, state)
+        costs = []
+        for q in range(2, 7):  # five more questions for the tenant, all placed at its home
+            ids = system + [q] * 70
+            costs.append(copy_cost(scorer, ids))
+        turns = []
+        for turn in range(4):  # each turn: the whole history, plus two new blocks
+            conversation = conversation + [turn] * 128
+            turns.append(copy_cost(scorer, conversation))
+        if demanded:
+            # The first copy of the tenant's prompt is not discounted: nothing matched it before.
+            assert costs[0] > costs[1] > costs[2] > costs[3] == costs[4]  # from three matches: in full
+            assert min(turns) > costs[-1]  # every turn matches a block no earlier turn ended on
+        else:  # without it, all alike: full discount, whoever shares the prefix
+            assert costs[0] == costs[-1] and max(turns) <= costs[-1] + 1e-9

@@ -190,6 +190,22 @@ class KvIndex:
             return None
         return entry.held
 
+    def holding(self, block: bytes) -> list[str]:
+        """Ids of the instances whose synced, fresh set holds `block`, and the cluster id of each
+        such instance that is its cluster's only one: one pass over the sets, for a caller that
+        would otherwise ask `blocks()` of every candidate in a large pool."""
+        oldest = self.clock() - self.stale_after_s
+        found: list[str] = []
+        for uid, entry in self._entries.items():
+            if block not in entry.held.blocks:
+                continue
+            if entry.synced and entry.knowledge != UNKNOWN and entry.heard_at >= oldest:
+                found.append(uid)
+                cluster, sep, _ = uid.partition("/")
+                if sep and len(self._by_cluster.get(cluster, ())) == 1:
+                    found.append(cluster)
+        return found
+
     # -- feeding ------------------------------------------------------------------------------------------
     def _entry(self, upstream_id: str) -> _Entry:
         entry = self._entries.get(upstream_id)

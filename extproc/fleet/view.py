@@ -44,6 +44,8 @@ class KvBlocks(Protocol):
 
     def blocks(self, upstream_id: str) -> KvHeld | None: ...
 
+    def holding(self, block: bytes) -> list[str]: ...
+
 
 @dataclass(slots=True, frozen=True)
 class Load:
@@ -382,6 +384,12 @@ class SchedulingState:
             if load is None or load.instances != 1:
                 return None
         return kv.blocks(upstream_id)
+
+    def kv_holders(self, block: bytes) -> list[str]:
+        """Upstream ids whose engines' KV events say they hold `block`: a superset of the candidates
+        for which kv_blocks() would show it (check those with kv_blocks()); [] without events."""
+        kv = self.kv
+        return [] if kv is None else kv.holding(block)
 
     def share(self, remote: RemoteInFlight) -> None:
         """Count the other replicas' in-flight requests too, in count() and pending(); the view then

@@ -46,6 +46,11 @@ class FleetState(Protocol):
         sync, the engine's socket gone): plugins fall back to their own model."""
         ...
 
+    def kv_holders(self, block: bytes) -> Sequence[str]:
+        """Upstream ids whose engines' KV events show `block` held, in one pass (a large pool's
+        pre-selection): a superset of where kv_blocks() shows it; empty without KV events."""
+        ...
+
     def now(self) -> float:
         """The fleet's clock (unix seconds; virtual time in the discrete-event mode), the one snapshots'
         `published_at` is measured on."""

@@ -55,6 +55,8 @@ from extproc.tokenization import block_hashes, estimate_tokens
 BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
 SENT_WINDOW_S = 60.0  # recent sends kept per upstream
+MAX_DEMAND_KEYS = 100_000  # prefix ends whose recent demand is counted (copy_demand)
+DEMAND_FLOOR = 0.02  # a decayed count below this is forgotten
 
 
 @dataclass(slots=True)
@@ -79,6 +81,7 @@ class _Prediction:
     tokens: int = 0
     uncached: dict[str, int] = field(default_factory=dict)
     rates: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per candidate
+    best_matched: int = 0  # leading blocks held by the candidate holding the most of the prompt
 
 
 @SCORERS.register("predicted-ttft")
@@ -101,6 +104,12 @@ class PredictedTtftScorer:
     # Charge only (1 - this x (1 - its load / the holder's)) of its prefill, so a hot prefix spreads
     # onto idle engines instead of queueing on its first holders.
     copy_discount: float = 0.9
+    # A copy pays off only if later requests share that prefix: the discount is scaled by min(1,
+    # recent requests whose longest held prefix ended at the same block / this), counts decayed over
+    # `demand_window_s` (0: no scaling). A conversation's history is matched once per turn, each turn
+    # one block further: no discount; a tenant's system prompt, matched by all its requests: in full.
+    copy_demand: float = 5.0
+    demand_window_s: float = 30.0
     # Each sequence running there slows the steps that prefill this prompt, in prefill-token
     # equivalents: ~6 on an A10G and ~11 on an H100 for an 8B model (step cost per decoding sequence,
     # including its KV reads, x the ~2-3 steps a first token spans, x prefill tokens per second).
@@ -111,6 +120,10 @@ class PredictedTtftScorer:
     # Until an engine's prefill rate is measured, its GPU's nominal speed (snapshots' gpu_model,
     # fleet/gpus.py) orders it against the others; off: an unmeasured engine counts as the fastest.
     gpu_prior: bool = True
+    # On: engines whose snapshots name the same GPU share the median of their measured rates (a
+    # busy engine's prefills are slowed by its decodes, so its samples read low). Off by default:
+    # that low reading works as load feedback, and the grids were a wash (docs/tuning.md).
+    same_gpu_same_rate: bool = False
     room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
     # Pools larger than this are pre-selected (`_preselect`): the candidates holding the longest
     # prefix of the prompt plus a random sample of the others, up to this many, are predicted in
@@ -134,6 +147,9 @@ class PredictedTtftScorer:
     _scan_key: tuple[int, int] = field(init=False, default=(0, -1))
     _scan_held: Sequence[Upstream] = field(init=False, default=())
     _scan: list[_Scan] = field(init=False, default_factory=list)
+    _index_held: Sequence[Upstream] = field(init=False, default=())
+    _index: dict[str, int] = field(init=False, default_factory=dict)
+    _demand: dict[bytes, tuple[float, float]] = field(init=False, default_factory=dict)  # (count, at)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "block_tokens", "max_blocks", "default_kv_tokens"):
@@ -145,7 +161,10 @@ class PredictedTtftScorer:
             raise ValueError("'rate_tolerance' must be >= 1")
         if not 0.0 <= self.copy_discount <= 1.0:
             raise ValueError("'copy_discount' must be in [0, 1]")
+        if not self.demand_window_s > 0:
+            raise ValueError("'demand_window_s' must be positive")
         for name in (
+            "copy_demand",
             "expected_output_tokens",
             "evict_weight",
             "duplicate_weight",
@@ -275,10 +294,17 @@ class PredictedTtftScorer:
             scan = self._scan_list(candidates)
             holders = [i for i, pinned, evictable in scan if h0 in pinned or h0 in evictable]
             if request.prompt_token_ids:  # the engines' own KV events may know more
-                seen = set(holders)
-                for i, u in enumerate(candidates):
-                    if i not in seen and (held := state.kv_blocks(u.id)) is not None and h0 in held.blocks:
-                        holders.append(i)
+                kv_ids = state.kv_holders(h0)
+                if kv_ids:
+                    seen = set(holders)
+                    index = self._index_of(candidates)
+                    for uid in kv_ids:
+                        i = index.get(uid)
+                        if i is None or i in seen:
+                            continue
+                        if (held := state.kv_blocks(uid)) is not None and h0 in held.blocks:
+                            holders.append(i)
+                            seen.add(i)
         if len(holders) > k // 2:
             # A prefix held by most of a large pool (a shared system prompt): rank a random 2k of its
             # holders, not all, so the match walks stay bounded; shuffled so equal matches have no
@@ -297,6 +323,15 @@ class PredictedTtftScorer:
         need = min(n - len(taken), k - len(holders))
         drawn = self._rng.sample(range(n), min(n, need + len(taken)))
         return holders + [i for i in drawn if i not in taken][:need]
+
+    def _index_of(self, candidates: Sequence[Upstream]) -> dict[str, int]:
+        """Candidate index by upstream id, kept for an immutable candidates tuple."""
+        if self._index_held is not candidates:
+            index = {u.id: i for i, u in enumerate(candidates)}
+            if not isinstance(candidates, tuple):
+                return index
+            self._index, self._index_held = index, candidates
+        return self._index
 
     def _scan_list(self, candidates: Sequence[Upstream]) -> list[_Scan]:
         """Kept for an immutable candidates tuple (the view's, until it is rebuilt) while no model is
@@ -331,6 +366,10 @@ class PredictedTtftScorer:
         own: list[float] = []
         new_output = math.ceil(self._output_tokens(request) / bt)
         best_matched = max(matched)
+        pred.best_matched = best_matched
+        discount = self.copy_discount
+        if self.copy_demand > 0 and best_matched and discount:
+            discount *= min(1.0, self._demand_at(pred.hashes[best_matched - 1], now) / self.copy_demand)
         running_all = [self._running(u, load, state) for u, load in zip(candidates, loads, strict=True)]
         # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
         holder_running = min(r for r, m in zip(running_all, matched, strict=True) if m == best_matched)
@@ -358,7 +397,7 @@ class PredictedTtftScorer:
                     relief = 1.0 - (running + 1) / (holder_running + 1)
                 # A copy is penalised unless it relieves a much busier holder; then it is discounted.
                 ttft += copy_s * (self.duplicate_weight * pressure * (1.0 - relief))
-                ttft -= copy_s * self.copy_discount * relief
+                ttft -= copy_s * discount * relief
             elif best_matched == 0 and self.footprint_weight:
                 ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
             predicted.append(ttft)
@@ -399,6 +438,8 @@ class PredictedTtftScorer:
                     nominal[u.id] = load.gpu_speed / u.weight
         fastest = 1.0
         if speed:
+            if self.same_gpu_same_rate and nominal:
+                speed = _same_gpu(speed, nominal)
             speed = _grouped(speed, self.rate_tolerance)
             slowest = min(speed.values())
             speed = {uid: r / slowest for uid, r in speed.items()}
@@ -429,6 +470,8 @@ class PredictedTtftScorer:
         model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1
         output_blocks = math.ceil(self._output_tokens(request) / self.block_tokens)
         placement = model.cache.place(pred.hashes, output_blocks)
+        if self.copy_demand > 0 and pred.best_matched:
+            self._count_demand(pred.hashes[pred.best_matched - 1], now)
         self._serial += 1
         if self._outbox.active:
             blob = pack_hashes(pred.hashes)
@@ -437,6 +480,21 @@ class PredictedTtftScorer:
         placed[id(request)] = (request, upstream.id, placement, self._serial)
         if len(placed) > MAX_TRACKED:  # finishes that never came (should not happen): drop the oldest
             del placed[next(iter(placed))]
+
+    def _demand_at(self, key: bytes, now: float) -> float:
+        held = self._demand.get(key)
+        if held is None:
+            return 0.0
+        return held[0] * math.exp(-(now - held[1]) / self.demand_window_s)
+
+    def _count_demand(self, key: bytes, now: float) -> None:
+        demand = self._demand
+        demand[key] = (self._demand_at(key, now) + 1.0, now)
+        if len(demand) > MAX_DEMAND_KEYS:  # forget what decayed away, else the oldest half
+            kept = {k: v for k, v in demand.items() if self._demand_at(k, now) > DEMAND_FLOOR}
+            if len(kept) > MAX_DEMAND_KEYS // 2:
+                kept = dict(list(kept.items())[-(MAX_DEMAND_KEYS // 2) :])
+            self._demand = kept
 
     @staticmethod
     def _matched(
@@ -573,6 +631,21 @@ def _with_prior(measured: dict[str, float], nominal: dict[str, float]) -> dict[s
     for uid, n in nominal.items():
         if uid not in out:
             out[uid] = n * scale
+    return out
+
+
+def _same_gpu(measured: dict[str, float], nominal: dict[str, float]) -> dict[str, float]:
+    """Measured speeds with the upstreams of one nominal speed (the same GPU per unit of weight)
+    given their median; upstreams without a known GPU keep their own."""
+    by_gpu: dict[float, list[str]] = {}
+    for uid in measured:
+        if uid in nominal:
+            by_gpu.setdefault(round(nominal[uid], 6), []).append(uid)
+    out = dict(measured)
+    for members in by_gpu.values():
+        if len(members) > 1:
+            ordered = sorted(measured[uid] for uid in members)
+            out.update(dict.fromkeys(members, ordered[len(ordered) // 2]))
     return out
 
 

@@ -61,6 +61,9 @@ class ModelState:
     def kv_blocks(self, upstream_id: str) -> KvHeld | None:
         return None
 
+    def kv_holders(self, block: bytes) -> list[str]:
+        return []
+
     def now(self) -> float:
         return self.t
 
