@@ -72,7 +72,10 @@ async def run_policy(
     warmup_s: float = 10.0,
     zipf: float = 1.0,
     seed: int = 1,
+    replicas: int = 1,
 ) -> LoraLive:
+    """One policy's run; `replicas` service processes share the routing (with several, each sees the
+    adapters loaded where from the same snapshots, and the others' picks through replica sync)."""
     names = [f"adapter-{k}" for k in range(adapters)]
     group = EngineGroup([TOKEN_DELAY_S] * engines, MODEL, max_batch=16, lora_slots=slots, lora_load_s=0.3)
     stops: list[Any] = [group.close]
@@ -83,7 +86,9 @@ async def run_policy(
         clusters = {f"gpu-{i}": [p] for i, p in enumerate(group.ports)}
         models = [MODEL, *names]
         pool = {"clusters": [{"name": c, "models": models} for c in clusters]}
-        gw = _n_cluster_gateway(workdir, clusters, redis.url, POLICIES[policy], service_extra={"pool": pool})
+        gw = _n_cluster_gateway(
+            workdir, clusters, redis.url, POLICIES[policy], replicas=replicas, service_extra={"pool": pool}
+        )
         publisher = start_publisher(
             redis.url,
             [InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim", models=tuple(models)) for c, p in clusters.items()],
@@ -186,6 +191,7 @@ async def _drive(
 def markdown(results: list[LoraLive], meta: dict[str, Any]) -> str:
     lines = [
         f"LoRA live ({meta['engines']} engines x {meta['slots']} adapter slots, {meta['adapters']} adapters, "
+        f"{meta.get('replicas', 1)} service replica(s), "
         f"zipf {meta['zipf']}, {meta['rate']} req/s for {meta['duration_s']} s, warm-up "
         f"{meta['warmup_s']} s excluded)",
         "",
@@ -213,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=10.0)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=1, help="service processes behind Envoy")
     ap.add_argument("--out", type=Path, default=Path("out/lora-live"))
     args = ap.parse_args(argv)
     results = []
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 warmup_s=args.warmup,
                 zipf=args.zipf,
                 seed=args.seed,
+                replicas=args.replicas,
             )
         )
         print(
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         results.append(r)
-    meta = {k: getattr(args, k) for k in ("engines", "adapters", "slots", "rate", "zipf", "seed")}
+    meta = {k: getattr(args, k) for k in ("engines", "adapters", "slots", "rate", "zipf", "seed", "replicas")}
     meta |= {"duration_s": args.duration, "warmup_s": args.warmup}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "lora_live.json").write_text(
