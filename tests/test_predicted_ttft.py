@@ -19,6 +19,7 @@ from extproc.openai.parse import parse_head
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.settings import ConfigError
 from extproc.telemetry import Metrics
+from extproc.tokenization import block_hashes
 
 HEAD = parse_head(
     {":method": "POST", ":path": "/v1/chat/completions"},
@@ -392,3 +393,32 @@ def test_a_copy_is_discounted_only_for_a_prefix_that_later_requests_share() -> N
             assert min(turns) > costs[-1]  # every turn matches a block no earlier turn ended on
         else:  # without it, all alike: full discount, whoever shares the prefix
             assert costs[0] == costs[-1] and max(turns) <= costs[-1] + 1e-9
+
+
+def test_replicas_count_each_others_demand_for_a_prefix() -> None:
+    """A pick record carries how much of the prompt was held somewhere, so every replica counts the
+    same demand for the prefix (copy_demand), not 1/N of it; records from older replicas (7 fields)
+    still place their blocks."""
+    busy = Upstream("busy", "busy", None, 1.0)
+    state: Any = _CountsOnly({"busy": 6})
+    a, b = PredictedTtftScorer(), PredictedTtftScorer()
+    a._outbox.take()  # replica sync on: picks are recorded for the others
+    system = list(range(10_000, 10_000 + 64 * 20))
+    for q in range(4):
+        request = InferenceRequest(Api.CHAT, "m", False, 4, "", [*system, q, q], None, None, 0, 0)
+        a._evaluate(request, (busy,), state)
+        a.on_pick(request, busy, state)
+    records = a._outbox.take()
+    assert [r[-1] for r in records] == [0, 20, 20, 20]  # the first found nothing held
+    end = block_hashes(system, 64)[-1]
+    b.apply_updates("a", records)
+    assert b._demand_at(end, NOW) == a._demand_at(end, NOW) == 3.0
+    old = PredictedTtftScorer()
+    old.apply_updates("a", [r[:7] for r in records])
+    assert (
+        old._demand_at(end, NOW) == 0.0 and old._models["busy"].cache.matched(block_hashes(system, 64)) == 20
+    )
+    # A held length that is not one (past the prompt, not an integer) counts nothing; the pick stands.
+    odd = PredictedTtftScorer()
+    odd.apply_updates("a", [[*r[:7], bad] for r, bad in zip(records, (21, "x", -1, 2.0), strict=True)])
+    assert not odd._demand and odd._models["busy"].cache.matched(block_hashes(system, 64)) == 20

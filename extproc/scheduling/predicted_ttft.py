@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,8 +55,7 @@ from extproc.tokenization import block_hashes, estimate_tokens
 BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
 SENT_WINDOW_S = 60.0  # recent sends kept per upstream
-MAX_DEMAND_KEYS = 100_000  # prefix ends whose recent demand is counted (copy_demand)
-DEMAND_FLOOR = 0.02  # a decayed count below this is forgotten
+MAX_DEMAND_KEYS = 100_000  # prefix ends whose recent demand is counted (copy_demand), least recent out
 
 
 @dataclass(slots=True)
@@ -149,7 +148,7 @@ class PredictedTtftScorer:
     _scan: list[_Scan] = field(init=False, default_factory=list)
     _index_held: Sequence[Upstream] = field(init=False, default=())
     _index: dict[str, int] = field(init=False, default_factory=dict)
-    _demand: dict[bytes, tuple[float, float]] = field(init=False, default_factory=dict)  # (count, at)
+    _demand: OrderedDict[bytes, tuple[float, float]] = field(init=False, default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "block_tokens", "max_blocks", "default_kv_tokens"):
@@ -475,7 +474,9 @@ class PredictedTtftScorer:
         self._serial += 1
         if self._outbox.active:
             blob = pack_hashes(pred.hashes)
-            self._outbox.add(["p", self._serial, upstream.id, blob, output_blocks, prefill_s, now])
+            self._outbox.add(
+                ["p", self._serial, upstream.id, blob, output_blocks, prefill_s, now, pred.best_matched]
+            )
         placed = self._placed
         placed[id(request)] = (request, upstream.id, placement, self._serial)
         if len(placed) > MAX_TRACKED:  # finishes that never came (should not happen): drop the oldest
@@ -485,16 +486,18 @@ class PredictedTtftScorer:
         held = self._demand.get(key)
         if held is None:
             return 0.0
-        return held[0] * math.exp(-(now - held[1]) / self.demand_window_s)
+        return held[0] * math.exp(-max(0.0, now - held[1]) / self.demand_window_s)
 
     def _count_demand(self, key: bytes, now: float) -> None:
+        """One more request whose longest held prefix ended at `key` (own or another replica's)."""
         demand = self._demand
-        demand[key] = (self._demand_at(key, now) + 1.0, now)
-        if len(demand) > MAX_DEMAND_KEYS:  # forget what decayed away, else the oldest half
-            kept = {k: v for k, v in demand.items() if self._demand_at(k, now) > DEMAND_FLOOR}
-            if len(kept) > MAX_DEMAND_KEYS // 2:
-                kept = dict(list(kept.items())[-(MAX_DEMAND_KEYS // 2) :])
-            self._demand = kept
+        count, at = demand.pop(key, (0.0, now))
+        if now > at:  # (another replica's record may be older than the last count)
+            count *= math.exp(-(now - at) / self.demand_window_s)
+            at = now
+        demand[key] = (count + 1.0, at)
+        if len(demand) > MAX_DEMAND_KEYS:
+            demand.popitem(last=False)  # the prefix end counted least recently
 
     @staticmethod
     def _matched(
@@ -546,7 +549,7 @@ class PredictedTtftScorer:
             if not isinstance(record, list) or not record:
                 continue
             kind = record[0]
-            if kind == "p" and len(record) == 7:
+            if kind == "p" and len(record) in (7, 8):  # 7: a replica from before demand counting
                 self._apply_pick(remote, record)
             elif kind == "f" and len(record) == 2 and isinstance(record[1], int):
                 held = remote.pop(record[1], None)
@@ -559,7 +562,7 @@ class PredictedTtftScorer:
                 remote = self._remote.setdefault(origin, {})
 
     def _apply_pick(self, remote: dict[int, tuple[str, Placement]], record: list[Any]) -> None:
-        _, serial, uid, blob, output_blocks, prefill_s, when = record
+        _, serial, uid, blob, output_blocks, prefill_s, when, *rest = record
         hashes = unpack_hashes(blob)
         if (
             hashes is None
@@ -582,6 +585,9 @@ class PredictedTtftScorer:
             if held is not None:
                 held.cache.release(old[1])
         remote[serial] = (uid, placement)
+        best = rest[0] if rest else 0  # the longest prefix any candidate held, for copy_demand
+        if self.copy_demand > 0 and isinstance(best, int) and 0 < best <= len(hashes):
+            self._count_demand(hashes[best - 1], when)
         if len(remote) > MAX_TRACKED:
             uid0, placement0 = remote.pop(next(iter(remote)))
             if (m := self._models.get(uid0)) is not None:
