@@ -628,3 +628,12 @@ def test_a_large_pool_pre_selects_the_holders_the_engines_report() -> None:
         scores = dict(zip((u.id for u in ups), scorer.score(req, ups, state), strict=True))
         assert scores[holder] == 1.0, seed  # predicted, and the best: the whole prompt is cached there
         assert sum(1 for v in scores.values() if v > 0) == 6
+
+
+def test_fleet_bench_measures_decisions_with_holders_by_kv_events() -> None:
+    """`bench-fleet`'s KV-event case runs through the lifecycle with token ids: the holders it sets
+    up are in the index and decisions pick among them (a behaviour check; timings are the bench's)."""
+    from extproc.lab.bench.fleet_state import decision_latency
+
+    r = decision_latency(20, "endpoint", 30, held_share=0.5, prompt_words=300)
+    assert r["candidates"] == 20 and 0 < int(r["kv_holders"]) < 20

@@ -422,3 +422,25 @@ def test_replicas_count_each_others_demand_for_a_prefix() -> None:
     odd = PredictedTtftScorer()
     odd.apply_updates("a", [[*r[:7], bad] for r, bad in zip(records, (21, "x", -1, 2.0), strict=True)])
     assert not odd._demand and odd._models["busy"].cache.matched(block_hashes(system, 64)) == 20
+
+
+def test_ranking_depth_probes_few_blocks_and_is_exact_for_a_prefix_cache() -> None:
+    """A large pool's holders are ranked by `_leading` (doubling, then bisection): exact whenever the
+    held blocks are a prefix, as an engine's prefix cache keeps them, in O(log n) probes."""
+    from extproc.scheduling.predicted_ttft import _leading
+
+    for n in range(40):
+        hashes = [bytes([i]) for i in range(n)]
+        for k in range(n + 1):
+            probes: list[bytes] = []
+            held = set(hashes[:k])
+
+            def has(h: bytes, held: set[bytes] = held, probes: list[bytes] = probes) -> bool:
+                probes.append(h)
+                return h in held
+
+            assert _leading(hashes, has) == k, (n, k)
+            assert len(probes) <= 2 * max(1, n).bit_length() + 1, (n, k, len(probes))
+    # A hole the probes skip is not seen (ranking only: kept candidates are matched exactly).
+    hashes = [bytes([i]) for i in range(8)]
+    assert _leading(hashes, {*hashes[:2], *hashes[3:]}.__contains__) == 8

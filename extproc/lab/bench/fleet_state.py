@@ -81,15 +81,30 @@ def _head() -> Any:
 
 
 def decision_latency(
-    n: int, mode: str, decisions: int = 3000, *, explain: dict[str, Any] | None = None, asked: bool = False
+    n: int,
+    mode: str,
+    decisions: int = 3000,
+    *,
+    explain: dict[str, Any] | None = None,
+    asked: bool = False,
+    held_share: float = 0.0,
+    prompt_words: int = 200,
 ) -> dict[str, float | str]:
     """Median and p99 of RequestLifecycle.route() (parse + schedule + record) with n fresh instances;
-    `explain` is the service's `explain:` section, `asked` a request that wants the decision header."""
+    `explain` is the service's `explain:` section, `asked` a request that wants the decision header.
+    `held_share` > 0: the model has a tokenizer, and that share of the instances hold the prompt by
+    their engines' KV events (a KvIndex), as a tenant's prompt on a tenth of a large pool.
+    `prompt_words`: the prompt's length (~1 token a word)."""
     rng = random.Random(n)
     raw = _config(n, mode)
     if explain is not None:
         raw["explain"] = explain
-    cfg = config_from_dict(raw)
+    folder = Path(tempfile.mkdtemp(prefix="bench-fleet-")) if held_share else None
+    if folder is not None:
+        from extproc.lab.bench.tokenization import train_tokenizer
+
+        raw["tokenizers"] = {MODEL: train_tokenizer(folder, vocab_size=2000)}
+    cfg = config_from_dict(raw, base_dir=folder)
     metrics = Metrics([MODEL], [f"pool-{c}" for c in range(CLUSTERS)])
     view = FleetView(cfg.pool)
     known = view.known_clusters
@@ -100,7 +115,24 @@ def decision_latency(
     view.rebuild()
     lifecycle = RequestLifecycle(cfg, metrics, view)
     head = _head()
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello " * 200}]}).encode()
+    content = "hello " * prompt_words
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]}).encode()
+    holders = 0
+    if held_share:
+        from extproc.fleet.kv_index import KvIndex, encode_full
+        from extproc.tokenization import block_hashes
+
+        probe = lifecycle.route(head, body)
+        lifecycle.finish(probe, "response_end")
+        ids = probe.request.prompt_token_ids
+        assert ids, "the bench's tokenizer gave no token ids"
+        hashes = block_hashes(ids, 64)
+        index = KvIndex(stale_after_s=3600.0)
+        for u in view.candidates(MODEL) or ():
+            if rng.random() < held_share:
+                index.apply_full(encode_full(u.id, 1, 1, hashes))
+                holders += 1
+        lifecycle.state.kv = index
     times = []
     for _ in range(decisions):
         t0 = time.perf_counter()
@@ -119,6 +151,7 @@ def decision_latency(
         "candidates": len(view.candidates(MODEL) or ()),
         "p50_us": statistics.median(times) * 1e6,
         "p99_us": times[int(len(times) * 0.99)] * 1e6,
+        "kv_holders": holders,
     }
 
 
@@ -192,6 +225,14 @@ async def run_fleet_bench(out_dir: Path = Path("out/fleet")) -> int:
                 f"  {mode:8s} {n:5d} instances ({r['candidates']:4d} candidates): "
                 f"p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us"
             )
+    # Token ids and the engines' KV events, a ~4k-token prompt held by a tenth of a 1000-endpoint pool:
+    # the pre-selection ranks ~100 holders by their match length before predicting 64 candidates.
+    r = decision_latency(1000, "endpoint", held_share=0.1, prompt_words=4000)
+    report["decision_kv_events"] = r
+    print(
+        f"  endpoint  1000 instances, {r['kv_holders']} holding a ~4k-token prompt by KV events (token ids): "
+        f"p50 {r['p50_us']:7.1f} us  p99 {r['p99_us']:7.1f} us"
+    )
     ing = ingest_rate()
     report["ingest"] = ing
     print(
