@@ -631,8 +631,8 @@ def test_a_large_pool_pre_selects_the_holders_the_engines_report() -> None:
 
 
 def test_fleet_bench_measures_decisions_with_holders_by_kv_events() -> None:
-    """`bench-fleet`'s KV-event case runs through the lifecycle with token ids: the holders it sets
-    up are in the index and decisions pick among them (a behaviour check; timings are the bench's)."""
+    """`bench-fleet`'s KV-event case runs through the lifecycle with token ids and sets up holders in
+    the index (a check that the bench runs; timings are the bench's output, not asserted)."""
     from extproc.lab.bench.fleet_state import decision_latency
 
     r = decision_latency(20, "endpoint", 30, held_share=0.5, prompt_words=300)

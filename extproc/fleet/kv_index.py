@@ -184,11 +184,12 @@ class KvIndex:
             entry = self._entries.get(ids[0])
             if entry is None:
                 return None
-        if not entry.synced or entry.knowledge == UNKNOWN:
-            return None
-        if self.clock() - entry.heard_at > self.stale_after_s:
-            return None
-        return entry.held
+        return entry.held if self._usable(entry, self.clock() - self.stale_after_s) else None
+
+    @staticmethod
+    def _usable(entry: _Entry, oldest: float) -> bool:
+        """A set the request path may trust: synced, known, and heard from since `oldest`."""
+        return entry.synced and entry.knowledge != UNKNOWN and entry.heard_at >= oldest
 
     def holding(self, block: bytes) -> list[str]:
         """Ids of the instances whose synced, fresh set holds `block`, and the cluster id of each
@@ -197,9 +198,7 @@ class KvIndex:
         oldest = self.clock() - self.stale_after_s
         found: list[str] = []
         for uid, entry in self._entries.items():
-            if block not in entry.held.blocks:
-                continue
-            if entry.synced and entry.knowledge != UNKNOWN and entry.heard_at >= oldest:
+            if block in entry.held.blocks and self._usable(entry, oldest):
                 found.append(uid)
                 cluster, sep, _ = uid.partition("/")
                 if sep and len(self._by_cluster.get(cluster, ())) == 1:

@@ -125,7 +125,8 @@ def decision_latency(
         probe = lifecycle.route(head, body)
         lifecycle.finish(probe, "response_end")
         ids = probe.request.prompt_token_ids
-        assert ids, "the bench's tokenizer gave no token ids"
+        if not ids:
+            raise RuntimeError("the bench's tokenizer gave no token ids")
         hashes = block_hashes(ids, 64)
         index = KvIndex(stale_after_s=3600.0)
         for u in view.candidates(MODEL) or ():
