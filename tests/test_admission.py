@@ -409,6 +409,15 @@ def test_des_admission_sheds_sheddable_first_and_counts_queue_time() -> None:
     first_sheddable = min(r.arrival_s for r in shed["sheddable"])  # shed on arrival
     assert all(r.arrival_s + r.e2e_s >= first_sheddable for r in shed["standard"])  # after waiting
     assert all(r.error == "queue_timeout" for r in shed["standard"])
+    # the queue's wait metric is in the run's virtual seconds: a timed-out waiter waited max_wait_s
+    assert run.metrics is not None
+    timeouts = run.metrics.registry.get_sample_value(
+        "llm_extproc_admission_queue_wait_seconds_count", {"outcome": "timeout"}
+    )
+    waited = run.metrics.registry.get_sample_value(
+        "llm_extproc_admission_queue_wait_seconds_sum", {"outcome": "timeout"}
+    )
+    assert timeouts == len(shed["standard"]) and waited == pytest.approx(1.5 * timeouts)
     # without admission (the default in this mode) everything is served
     plain = simulate(requests, profiles, "llm-extproc", headers=wl.headers)
     assert all(r.ok for r in plain.records)

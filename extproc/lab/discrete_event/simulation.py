@@ -237,7 +237,9 @@ class ExtprocPolicy:
             config = config_from_dict(raw)
             metrics = Metrics([model], [f"engine-{i}" for i in range(n)])
             view = FleetView(config.pool, clock=clock)
-            replica = _Replica(config, metrics, view, RequestLifecycle(config, metrics, view))
+            lifecycle = RequestLifecycle(config, metrics, view)
+            lifecycle.admission.clock = clock  # queue waits in virtual seconds (admission_wait)
+            replica = _Replica(config, metrics, view, lifecycle)
             if replicas > 1 and share:
                 remote = RemoteInFlight(config.sync.expire_s, clock=clock)
                 replica.lifecycle.state.share(remote)
@@ -421,6 +423,7 @@ class DesRun:
     records: list[RequestRecord]
     virtual_s: float
     wall_s: float
+    metrics: Metrics | None = None  # llm-extproc's (the first replica's), for the tests to read
 
 
 KV_FLUSH_S = 0.05  # the publisher's kv_events flush_s default
@@ -687,7 +690,8 @@ def simulate(
                 )
             start_step(payload, now)
     records.sort(key=lambda r: r.arrival_s)
-    return DesRun(name, records, now, time.perf_counter() - started)
+    metrics = extproc.metrics if extproc is not None else None
+    return DesRun(name, records, now, time.perf_counter() - started, metrics)
 
 
 class _KvFeed:
