@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -336,6 +337,17 @@ def _can_pick(config: ServiceConfig, sources: tuple[EndpointSource, ...]) -> boo
     return all(s.synced for s in sources) and bool(config.pool.everything())
 
 
+def freeze_heap() -> int:
+    """Collect once, then move every object alive now into the garbage collector's permanent
+    generation; returns how many. A full collection walks every tracked object holding the GIL: a
+    started service has ~50k of them (modules, config, plugins), ~50 ms on a shared core during
+    which every stream waits. Frozen, later collections walk only what was created since. Call it
+    once the service is built: objects frozen are never collected."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def serve(config: ServiceConfig, *, role: str = "main") -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -344,6 +356,7 @@ async def serve(config: ServiceConfig, *, role: str = "main") -> None:
         with contextlib.suppress(OSError):
             os.nice(config.bodies.worker_nice)
     running = await start(config, role=role)
+    log.debug("garbage collector: %d objects of the started service frozen", freeze_heap())
     first, again = asyncio.Event(), asyncio.Event()
 
     def on_signal(sig: signal.Signals) -> None:

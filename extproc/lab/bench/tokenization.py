@@ -15,6 +15,7 @@ the ext_proc stream takes:
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import statistics
@@ -30,6 +31,7 @@ from extproc.config import config_from_dict
 from extproc.lab.bench.workloads import pseudo_text
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
+from extproc.server.app import freeze_heap
 from extproc.settings import GIL_SWITCH_INTERVAL_S
 from extproc.telemetry import Metrics
 
@@ -152,6 +154,7 @@ async def _multi_turn(folder: Path, tokenizer: dict[str, str], chats: int, turns
 async def _stall(folder: Path, tokenizer: dict[str, str], prompts: int) -> dict[str, Any]:
     rng = random.Random(3)
     lc = _lifecycle(folder, tokenizer)
+    freeze_heap()  # as `llm-extproc serve` does once started
     bodies = [
         _chat([{"role": "user", "content": pseudo_text(rng, 51_000)[:200_000]}]) for _ in range(prompts)
     ]
@@ -168,10 +171,13 @@ async def _stall(folder: Path, tokenizer: dict[str, str], prompts: int) -> dict[
 
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0.01)
-    for b in bodies:
-        await _timed_route(lc, b)
-    done.set()
-    await task
+    try:
+        for b in bodies:
+            await _timed_route(lc, b)
+    finally:
+        done.set()
+        await task
+        gc.unfreeze()  # this process goes on (tests): what it frees later must be collectable
     return {"prompts_200kb": prompts, "max_event_loop_stall_ms": worst * 1000}
 
 
