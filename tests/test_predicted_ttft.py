@@ -444,35 +444,3 @@ def test_ranking_depth_probes_few_blocks_and_is_exact_for_a_prefix_cache() -> No
     # A hole the probes skip is not seen (ranking only: kept candidates are matched exactly).
     hashes = [bytes([i]) for i in range(8)]
     assert _leading(hashes, {*hashes[:2], *hashes[3:]}.__contains__) == 8
-
-
-def test_a_stale_data_fallback_pick_is_learnt_by_the_profile_it_stood_in_for() -> None:
-    """Without fresh snapshots the fallback profile picks; the default profile's predicted-ttft is
-    told of that pick (its prefill queued, its blocks placed) and of its finish, so its model still
-    matches the engines when snapshots return."""
-    import orjson
-
-    from extproc.config import config_from_dict
-    from extproc.fleet import FleetView
-    from extproc.lifecycle import RequestLifecycle
-    from extproc.telemetry import Metrics
-
-    cfg = config_from_dict(
-        {
-            "pool": {"clusters": [{"name": "a", "models": ["m"]}, {"name": "b", "models": ["m"]}]},
-            "metrics_listen": None,
-        }
-    )
-    view = FleetView(cfg.pool)  # nothing published yet: no fresh snapshot for "m"
-    lc = RequestLifecycle(cfg, Metrics(["m"], ["a", "b"]), view)
-    head = lc.read_head({":method": "POST", ":path": "/v1/chat/completions"})
-    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there " * 400}]})
-    decision = lc.route(head, body)
-    assert decision.profile is lc.fallback and decision.learner is cfg.profile
-    scorer = next(s for s, _ in cfg.profile.scorers if isinstance(s, PredictedTtftScorer))
-    wait, _ = scorer.backlog(decision.upstream, lc.state)
-    assert wait > 0.1  # ~1.2k tokens of prefill queued where the fallback sent it
-    model = scorer._models[decision.upstream.id]
-    assert model.cache.pinned_blocks > 0  # its blocks placed there, pinned while it runs
-    lc.finish(decision, "response_end")
-    assert model.cache.pinned_blocks == 0 and model.cache.used_blocks > 0  # released, still cached

@@ -48,10 +48,6 @@ class Decision:
     """Why it went there: filled only when asked (explain=True, or /debug/decisions keeping some)."""
     fallbacks: tuple[Upstream, ...] = ()
     """Endpoint mode with `fallbacks: N`: the next-best endpoints, listed after the pick (endpoints.py)."""
-    learner: Profile | None = None
-    """The profile the request would have used, when the stale-data fallback picked instead: told
-    of the pick and of its finish, so what its plugins learn (predicted-ttft's queues and cache
-    model, the prefix index) still matches the engines when fresh snapshots return."""
 
 
 class RequestLifecycle:
@@ -256,10 +252,9 @@ class RequestLifecycle:
     ) -> Decision:
         # -- admit ---------------------------------------------------------------------------------
         profile = profile or self.config.profile
-        learner: Profile | None = None
         candidates = self._candidates(request.model)
         if candidates is None:
-            learner, profile = profile, self.fallback
+            profile = self.fallback
             candidates = self.config.pool.candidates(request.model)  # type: ignore[arg-type]
             self.metrics.fallbacks.labels(reason="no_fresh_snapshot").inc()
             if not candidates:
@@ -286,14 +281,10 @@ class RequestLifecycle:
         if upstream is None:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------
-        if learner is not None:
-            learner.picked(request, upstream, self.state)
         lease = self.inflight.acquire(upstream)
         self.metrics.requests_by(self.metrics.model_label(request.model), upstream.cluster, "routed").inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        decision = Decision(
-            request=request, upstream=upstream, lease=lease, profile=profile, explanation=why, learner=learner
-        )
+        decision = Decision(request=request, upstream=upstream, lease=lease, profile=profile, explanation=why)
         if ranked is not None and upstream.address is not None:
             scored = explained(why) if why is not None else ranked
             decision.fallbacks = ranked_fallbacks(scored, upstream, fallbacks)
@@ -306,7 +297,7 @@ class RequestLifecycle:
         if not decision.lease.release():
             return
         self.metrics.releases_by(trigger).inc()
-        self._finished(decision)
+        decision.profile.finished(decision.request, decision.upstream)
         self.admission.dispatch(decision.request.model)  # the freed capacity goes to a waiter
 
     def reject(self, error: RequestError, decision: Decision | None = None) -> None:
@@ -315,16 +306,10 @@ class RequestLifecycle:
         if decision is not None:
             model = decision.request.model
             if decision.lease.release():
-                self._finished(decision)
+                decision.profile.finished(decision.request, decision.upstream)
                 self.admission.dispatch(model)
         self.metrics.errors_by(str(error.status)).inc()  # shedding at saturation: every request
         self.metrics.requests_by(self.metrics.model_label(model), "", "rejected").inc()
-
-    @staticmethod
-    def _finished(decision: Decision) -> None:
-        decision.profile.finished(decision.request, decision.upstream)
-        if decision.learner is not None:
-            decision.learner.finished(decision.request, decision.upstream)
 
     def _backlog(self) -> Backlog | None:
         """The default profile's predicted-ttft prefill queue, for admission's saturation signal."""

@@ -269,7 +269,7 @@ class Profile:
         if len(candidates) == 1:
             if explain is not None:
                 explain.picked = candidates[0]
-            self.picked(request, candidates[0], state)
+            self._picked(request, candidates[0], state)
             return candidates[0]
         totals = [0.0] * len(candidates)
         for (scorer, weight), sname in zip(self.scorers, scorer_names, strict=True):
@@ -299,15 +299,13 @@ class Profile:
             explain.scored_ids = tuple(u.id for u in candidates)
             explain.totals = totals
             explain.picked = chosen
-        self.picked(request, chosen, state)
+        self._picked(request, chosen, state)
         return chosen
 
     def _weights(self, scorer_names: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
         return tuple((n, w) for n, (_, w) in zip(scorer_names, self.scorers, strict=True))
 
-    def picked(self, request: InferenceRequest, chosen: Upstream, state: FleetState) -> None:
-        """Tell the plugins that learn from decisions where `request` went (schedule() does; the
-        lifecycle also does for a pick another profile made in its place)."""
+    def _picked(self, request: InferenceRequest, chosen: Upstream, state: FleetState) -> None:
         for hook in self.pick_hooks:
             hook.on_pick(request, chosen, state)
 
