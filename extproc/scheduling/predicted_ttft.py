@@ -498,20 +498,20 @@ class PredictedTtftScorer:
         if len(placed) > MAX_TRACKED:  # finishes that never came (should not happen): drop the oldest
             del placed[next(iter(placed))]
 
+    def _decayed(self, count: float, at: float, now: float) -> float:
+        """A demand count taken at `at`, as of `now` (never grown for an older `now`)."""
+        return count * math.exp(-max(0.0, now - at) / self.demand_window_s)
+
     def _demand_at(self, key: bytes, now: float) -> float:
         held = self._demand.get(key)
-        if held is None:
-            return 0.0
-        return held[0] * math.exp(-max(0.0, now - held[1]) / self.demand_window_s)
+        return 0.0 if held is None else self._decayed(*held, now)
 
     def _count_demand(self, key: bytes, now: float) -> None:
-        """One more request whose longest held prefix ended at `key` (own or another replica's)."""
+        """One more request whose longest held prefix ended at `key` (own or another replica's,
+        whose record may be older than the last count: then counted at the newer time)."""
         demand = self._demand
         count, at = demand.pop(key, (0.0, now))
-        if now > at:  # (another replica's record may be older than the last count)
-            count *= math.exp(-(now - at) / self.demand_window_s)
-            at = now
-        demand[key] = (count + 1.0, at)
+        demand[key] = (self._decayed(count, at, now) + 1.0, max(at, now))
         if len(demand) > MAX_DEMAND_KEYS:
             demand.popitem(last=False)  # the prefix end counted least recently
 
