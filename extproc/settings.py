@@ -147,6 +147,11 @@ DEFAULT_ADMISSION_MAX_INFLIGHT_PER_WEIGHT = 256.0
 DEFAULT_ADMISSION_MAX_QUEUED = 1024
 DEFAULT_ADMISSION_MAX_WAIT_S = 1.5
 DEFAULT_ADMISSION_RETRY_AFTER_S = 1
+# A request decodes for seconds, so its TPOT is the mean over many of the engine's steps; one interval
+# holding a long prefill chunk reads several times the typical step. Admission smooths the reported
+# TPOT over this time constant, seconds: 2 s (four 0.5 s publish intervals) beat 5 s in the
+# priorities bench at 160 % load (docs/benchmarks.md, "TPOT-aware admission").
+DEFAULT_ADMISSION_TPOT_WINDOW_S = 2.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,6 +171,11 @@ class AdmissionSettings:
     """A candidate whose predicted prefill queue (the default profile's `predicted-ttft` model,
     seconds) reaches this has no headroom; below it, the headroom is what is left over the mean
     prefill of a request sent there (None: unused)."""
+    max_tpot_s: float | None = None
+    """A candidate whose engine's time per output token (the snapshots' interval means, smoothed
+    over `tpot_window_s`) is at or above this has no headroom: one more sequence there slows every
+    running one (None: unused). Only while the model is saturated does it also restrict placement."""
+    tpot_window_s: float = DEFAULT_ADMISSION_TPOT_WINDOW_S
     max_queued: int = DEFAULT_ADMISSION_MAX_QUEUED
     max_wait_s: float = DEFAULT_ADMISSION_MAX_WAIT_S
     retry_after_s: int = DEFAULT_ADMISSION_RETRY_AFTER_S
@@ -178,13 +188,15 @@ def admission_settings(raw: Any, where: str = "config: 'admission'") -> Admissio
     values: dict[str, Any] = {}
     if "enabled" in section:
         values["enabled"] = boolean(section["enabled"], f"{where}.enabled")
-    for key in ("max_waiting_per_weight", "max_inflight_per_weight", "max_wait_s"):
+    for key in ("max_waiting_per_weight", "max_inflight_per_weight", "max_wait_s", "tpot_window_s"):
         if key in section:
             values[key] = number(section[key], f"{where}.{key}", positive=True)
     if section.get("max_predicted_wait_s") is not None:
         values["max_predicted_wait_s"] = number(
             section["max_predicted_wait_s"], f"{where}.max_predicted_wait_s", positive=True
         )
+    if section.get("max_tpot_s") is not None:
+        values["max_tpot_s"] = number(section["max_tpot_s"], f"{where}.max_tpot_s", positive=True)
     if section.get("max_kv_usage") is not None:
         values["max_kv_usage"] = number(
             section["max_kv_usage"], f"{where}.max_kv_usage", minimum=0.0, maximum=1.0

@@ -280,12 +280,28 @@ async def test_disabled_admits_everything() -> None:
 _sequence = iter(range(1, 1_000_000))
 
 
-def publish(lc: RequestLifecycle, waiting: int, kv: float = 0.0) -> None:
+def publish(
+    lc: RequestLifecycle,
+    waiting: int,
+    kv: float = 0.0,
+    tpot: float | None = None,
+    ago: float = 0.0,
+    running: int = 0,
+) -> None:
     assert lc.view is not None
     seq = next(_sequence)
     for cluster in ("a", "b"):
         state = instance_state(
-            f"{cluster}/x", cluster, None, num_waiting=waiting, kv_cache_usage=kv, sequence=seq
+            f"{cluster}/x",
+            cluster,
+            None,
+            num_waiting=waiting,
+            num_running=running,
+            kv_cache_usage=kv,
+            tpot_s=tpot,
+            sequence=seq,
+            published_at=NOW - ago,
+            expires_at=NOW - ago + 3.0,
         )
         assert lc.view.apply(state)
     lc.view.rebuild()
@@ -305,6 +321,32 @@ async def test_snapshot_queue_depth_is_the_signal() -> None:
     publish(lc, waiting=0, kv=0.97)  # empty queues, but KV cache full
     with pytest.raises(RequestError):
         await route(lc, "sheddable")
+
+
+async def test_decode_speed_is_a_signal_smoothed_over_the_window() -> None:
+    """`max_tpot_s`: an engine whose time per output token reaches the objective takes no more
+    (sheddable shed). One interval slowed by a long prefill step does not close it, a lasting
+    slowdown does; an interval without a token keeps what was known while sequences run there, and
+    forgets it once the engine is idle (else a drained fleet would stay closed)."""
+    lc = lifecycle({"max_tpot_s": 0.1, "tpot_window_s": 5.0}, view=True)
+    publish(lc, waiting=0, tpot=0.05, ago=2.5, running=20)
+    lc.finish(await route(lc, "sheddable"), "response_end")
+    publish(lc, waiting=0, tpot=0.5, ago=2.0, running=20)  # 0.05 + (1 - e^-0.1) x 0.45 = 0.093
+    lc.finish(await route(lc, "sheddable"), "response_end")
+    publish(lc, waiting=0, tpot=0.3, ago=0.5, running=20)  # 0.093 + (1 - e^-0.3) x 0.207 = 0.147
+    with pytest.raises(RequestError) as shed:
+        await route(lc, "sheddable")
+    assert shed.value.status == 429
+    assert count(lc, "sheddable", "shed", "saturated") == 1
+    publish(lc, waiting=0, tpot=None, ago=0.25, running=20)  # a step longer than the interval
+    with pytest.raises(RequestError):
+        await route(lc, "sheddable")
+    lc.finish(await route(lc, "critical"), "response_end")  # critical: admitted anyway
+    publish(lc, waiting=0, tpot=None, ago=0.0, running=0)  # drained: idle
+    lc.finish(await route(lc, "sheddable"), "response_end")
+    off = lifecycle({}, view=True)  # the same snapshots without the setting: not a signal
+    publish(off, waiting=0, tpot=0.3)
+    off.finish(await route(off, "sheddable"), "response_end")
 
 
 # -- slo-ttft ----------------------------------------------------------------------------------------
@@ -363,6 +405,8 @@ def test_admission_settings_defaults_and_errors() -> None:
         {"max_queued": -1},
         {"enabled": "yes"},
         {"max_kv_usage": 1.5},
+        {"max_tpot_s": 0},
+        {"tpot_window_s": 0},
         {"retry_after_s": 0},
         {"max_wait": 1},
     ):

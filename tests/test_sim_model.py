@@ -190,6 +190,23 @@ def test_decode_step_time_grows_with_batch_and_context() -> None:
     assert long_context > one
 
 
+def test_inter_token_gaps_are_the_steps_between_a_sequences_tokens() -> None:
+    """vLLM's inter_token_latency_seconds: one gap per token after the first, summing to the time
+    from first token to last; a prefill sharing the batch lengthens the gaps of those decoding."""
+    m = EngineModel(TEST)
+    m.submit("a", prompt(50, 8), 6, 0.0)
+    results, _ = drain(m)
+    done = finished(results)["a"]
+    assert m.itl_count == 5
+    assert m.itl_sum == pytest.approx(done.latency - done.ttft)
+    alone = m.itl_sum / m.itl_count
+    m = EngineModel(TEST)
+    m.submit("a", prompt(51, 8), 6, 0.0)
+    m.submit("b", prompt(52, 28), 1, 0.0)  # a 28-token prefill in the first steps' budget
+    drain(m)
+    assert m.itl_sum / m.itl_count > alone
+
+
 # --- determinism, limits, estimates ------------------------------------------------------------
 
 

@@ -100,6 +100,9 @@ async def test_metrics_speak_vllm_and_load_endpoints(engine: tuple[SimEngine, st
     assert load.prefix_cache_queries == e.driver.model.prefix_cache_queries > 0  # type: ignore[union-attr]
     assert 0 < load.prefix_cache_hits < load.prefix_cache_queries  # type: ignore[operator]
     assert load.ttft_count == 2
+    model = e.driver.model  # the inter-token gaps, in real seconds, as the publisher's TPOT reads them
+    assert load.tpot_count == model.itl_count > 0  # type: ignore[union-attr]
+    assert load.tpot_sum == pytest.approx(model.itl_sum / e.driver.time_scale)  # type: ignore[union-attr]
     assert info["max_total_num_tokens"] == p.kv_capacity_tokens and "model_path" not in info
 
 

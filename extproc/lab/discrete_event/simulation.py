@@ -270,6 +270,7 @@ class ExtprocPolicy:
         )
         self.sequence = 0
         self._prefill_rates = [PrefillRate() for _ in fleet.engines]
+        self._itl_seen = [(0.0, 0) for _ in fleet.engines]  # inter-token (sum, count) at the last publish
 
     def publish(self, now: float, ttl_s: float) -> None:
         """What `llm-extproc publish` would write for every engine at `now`, through decode()."""
@@ -300,6 +301,11 @@ class ExtprocPolicy:
             )
             if rate is not None:
                 snap.prefill_tokens_per_s = rate
+            # The publisher's TPOT: the mean inter-token gap over the interval since the last scrape.
+            itl_sum, itl_count = self._itl_seen[i]
+            if e.itl_count > itl_count:
+                snap.tpot_seconds = (e.itl_sum - itl_sum) / (e.itl_count - itl_count)
+            self._itl_seen[i] = (e.itl_sum, e.itl_count)
             data = snap.SerializeToString()
             for replica in self.replicas:
                 replica.view.apply(decode(data, replica.view.known_clusters, now=now))

@@ -226,6 +226,7 @@ class _Seq:
     cached_tokens: int | None = None
     preemptions: int = 0
     first_token_at: float | None = None
+    last_token_at: float | None = None  # end of the step that sampled its latest token
     scheduled_at: float | None = None  # start of the step that first ran it (vLLM's prefill phase start)
 
 
@@ -266,6 +267,9 @@ class EngineModel:
         self.prefill_time_sum = 0.0  # seconds from first scheduled to first token, summed over requests
         self.prefill_count = 0
         self.generation_tokens_total = 0
+        # vLLM's inter_token_latency_seconds: the gap between a sequence's consecutive tokens.
+        self.itl_sum = 0.0
+        self.itl_count = 0
         self.requests_finished = 0
         self.requests_aborted = 0
         self.preemptions_total = 0
@@ -382,6 +386,10 @@ class EngineModel:
             seq.tokens.append(token)
             seq.output_count += 1
             self.generation_tokens_total += 1
+            if seq.last_token_at is not None:
+                self.itl_sum += end - seq.last_token_at
+                self.itl_count += 1
+            seq.last_token_at = end
             result.tokens.append(TokenEvent(seq.request_id, token, seq.output_count - 1))
             if seq.first_token_at is None:
                 seq.first_token_at = end

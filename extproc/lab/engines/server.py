@@ -54,6 +54,8 @@ class EngineStats:
     preemptions_total: int = 0
     prefill_count: int = 0
     prefill_time_sum: float = 0.0
+    itl_count: int = 0  # inter-token gaps: the nominal token delay each
+    itl_sum: float = 0.0
     routing_headers: list[dict[str, str]] = field(default_factory=list)
     # LoRA (fixed-cost engine with lora_slots): requests whose adapter was in GPU memory when they
     # arrived, those whose adapter was not, and adapter loads.
@@ -315,6 +317,8 @@ class SimEngine:
         s.prefill_count += 1
         s.prefill_time_sum += time.perf_counter() - started + self.token_delay_s
         s.generation_tokens_total += n_tokens
+        s.itl_count += max(0, n_tokens - 1)
+        s.itl_sum += max(0, n_tokens - 1) * self.token_delay_s
         self._ttft.observe(time.perf_counter() - arrived + self.token_delay_s)
         if doc.get("stream"):
             return await self._stream(request, doc, chat, n_tokens, prompt_tokens)
@@ -678,6 +682,13 @@ class _PrefixCacheCollector(Collector):
             values, [("+Inf", self.model.prefill_count)], self.model.prefill_time_sum / self.time_scale
         )
         yield prefill
+        itl = HistogramMetricFamily(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels=names,
+        )
+        itl.add_metric(values, [("+Inf", self.model.itl_count)], self.model.itl_sum / self.time_scale)
+        yield itl
         if isinstance(self.model, EngineModel):
             free = GaugeMetricFamily(
                 "llm_extproc_sim_free_blocks", "Free KV blocks (simulator only).", labels=names
