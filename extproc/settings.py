@@ -148,10 +148,11 @@ DEFAULT_ADMISSION_MAX_QUEUED = 1024
 DEFAULT_ADMISSION_MAX_WAIT_S = 1.5
 DEFAULT_ADMISSION_RETRY_AFTER_S = 1
 # A request decodes for seconds, so its TPOT is the mean over many of the engine's steps; one interval
-# holding a long prefill chunk reads several times the typical step. Admission smooths the reported
-# TPOT over this time constant, seconds: 2 s (four 0.5 s publish intervals) beat 5 s in the
-# priorities bench at 160 % load (docs/benchmarks.md, "TPOT-aware admission").
-DEFAULT_ADMISSION_TPOT_WINDOW_S = 2.0
+# holding a long prefill chunk reads several times the typical step. Admission's TPOT gate and the
+# `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: 2 s (four 0.5 s
+# publish intervals) beat 5 s in the priorities bench at 160 % load (docs/benchmarks.md, "TPOT-aware
+# admission").
+DEFAULT_TPOT_WINDOW_S = 2.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,7 +176,7 @@ class AdmissionSettings:
     """A candidate whose engine's time per output token (the snapshots' interval means, smoothed
     over `tpot_window_s`) is at or above this has no headroom: one more sequence there slows every
     running one (None: unused). Only while the model is saturated does it also restrict placement."""
-    tpot_window_s: float = DEFAULT_ADMISSION_TPOT_WINDOW_S
+    tpot_window_s: float = DEFAULT_TPOT_WINDOW_S
     max_queued: int = DEFAULT_ADMISSION_MAX_QUEUED
     max_wait_s: float = DEFAULT_ADMISSION_MAX_WAIT_S
     retry_after_s: int = DEFAULT_ADMISSION_RETRY_AFTER_S

@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
-from extproc.fleet import Load, Upstream
+from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest, RequestError
 from extproc.openai.errors import shed
 from extproc.openai.parse import PRIORITY_NAMES, parse_ttft_slo
 from extproc.scheduling import FleetState
+from extproc.scheduling.decode_speed import SmoothedTpot
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
     PRIORITY_METADATA_KEY,
@@ -208,16 +208,6 @@ class FairQueue:
         return True
 
 
-MAX_TRACKED_UPSTREAMS = 4096  # smoothed TPOTs kept; all dropped at once beyond (a churning fleet)
-
-
-@dataclass(slots=True)
-class _Smoothed:
-    published_at: float  # of the last snapshot read
-    epoch: int
-    value: float
-
-
 class Admission:
     """Admission control for one service process (see the module docstring).
 
@@ -255,7 +245,7 @@ class Admission:
         self._queues: dict[str, FairQueue] = {}
         self._granted: dict[str, int] = {}  # woken waiters not yet scheduled, per model
         self._queued = 0
-        self._tpot: dict[str, _Smoothed] = {}
+        self._tpot = SmoothedTpot(settings.tpot_window_s)  # for max_tpot_s
 
     # -- the signal ------------------------------------------------------------------------------
     def room(self, model: str) -> float:
@@ -286,7 +276,7 @@ class Admission:
             if s.max_kv_usage is not None and load.kv_cache_usage >= s.max_kv_usage:
                 return 0.0
         if predicted and s.max_tpot_s is not None and load is not None:
-            tpot = self._tpot_of(u.id, load)
+            tpot = self._tpot.read(u.id, load)
             if tpot is not None and tpot >= s.max_tpot_s:
                 return 0.0
         if predicted and s.max_predicted_wait_s is not None and self.backlog is not None:
@@ -297,38 +287,6 @@ class Admission:
             if per_request > 0:
                 free = min(free, left / per_request)
         return free
-
-    def _tpot_of(self, upstream_id: str, load: Load) -> float | None:
-        """The upstream's reported TPOT, smoothed over `tpot_window_s` of snapshot time (each snapshot
-        read once; a restart starts afresh); None until one reports it.
-
-        The interval means are averaged over time, not weighted by their tokens: an interval that
-        holds one long prefill step (one token per sequence, a huge mean) weighs as much as one of
-        twenty ordinary steps, so the figure reads high while cold prefills crowd the engine, which
-        is when one more request hurts most. Against the token-weighted mean (smoothing 1 / TPOT),
-        `max_tpot_s: 0.09`, the priorities bench at 160 % load: 5 308 good requests against 4 504
-        (three seeds; docs/benchmarks.md, "TPOT-aware admission")."""
-        seen = self._tpot.get(upstream_id)
-        if seen is not None and seen.published_at == load.published_at and seen.epoch == load.epoch:
-            return seen.value
-        tpot = load.tpot_s
-        if tpot is None or not math.isfinite(tpot) or tpot < 0:
-            if load.num_running == 0 or "num_running" in load.unknown:
-                # Idle (or it does not say): no one decodes there, so nothing is slow. Kept, the
-                # last figure would close the upstream for good once the gate had drained it.
-                self._tpot.pop(upstream_id, None)
-                return None
-            # Running but no token in the interval: one step longer than the interval.
-            return seen.value if seen is not None and seen.epoch == load.epoch else None
-        if seen is None or seen.epoch != load.epoch:
-            if len(self._tpot) >= MAX_TRACKED_UPSTREAMS:
-                self._tpot.clear()
-            self._tpot[upstream_id] = _Smoothed(load.published_at, load.epoch, tpot)
-            return tpot
-        dt = max(0.0, load.published_at - seen.published_at)
-        seen.value += (1.0 - math.exp(-dt / self.settings.tpot_window_s)) * (tpot - seen.value)
-        seen.published_at = load.published_at
-        return seen.value
 
     def placeable(self, request: InferenceRequest, candidates: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
         """Where an admitted request may go: standard and sheddable requests only to candidates with

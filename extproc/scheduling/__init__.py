@@ -1,5 +1,6 @@
 """Scheduling framework: filters -> weighted scorers -> picker, configured as named profiles."""
 
+from extproc.scheduling import decode_speed as _decode_speed  # noqa: F401
 from extproc.scheduling import gpu as _gpu  # noqa: F401
 from extproc.scheduling import latency as _latency  # noqa: F401
 from extproc.scheduling import lora as _lora  # noqa: F401

@@ -5,9 +5,10 @@
 A Poisson workload (shared-prefix by default) whose requests each carry a priority class (20 %
 critical, 50 % standard, 30 % sheddable; `workloads.with_priorities`) is run at 50 %, 120 % and 160 %
 of the fleet's capacity against every reference policy and against llm-extproc with admission on (the
-service's own `Admission`: shed sheddable at saturation, queue standard fairly, admit critical), with
-the same admission plus the TPOT gate (`max_tpot_s` at the SLO's TPOT; "llm-extproc (+ TPOT gate)")
-and, for contrast, with admission off. Capacity is measured first, under the SLO: the highest arrival
+service's own `Admission`: shed sheddable at saturation, queue standard fairly, admit critical); the
+same with the `decode-speed` scorer in its profile ("llm-extproc (+ decode-speed)") and with the TPOT
+gate (`max_tpot_s`, "llm-extproc (+ TPOT gate)"), both at the SLO's TPOT; and, for contrast, with
+admission off. Capacity is measured first, under the SLO: the highest arrival
 rate at which exact-ttft (greedy least TTFT from the engines' exact state) still serves 95 % of the
 requests within the SLO (bisection). Writes `priorities.json` and `priorities.md`.
 
@@ -34,8 +35,9 @@ from typing import Any
 
 from extproc.lab.bench.report import RequestRecord, Slo, percentile, summarize
 from extproc.lab.bench.workloads import Workload, make_workload, with_priorities
-from extproc.lab.discrete_event.simulation import POLICIES, simulate, tokenize_requests
+from extproc.lab.discrete_event.simulation import POLICIES, SEEDED_PICKER, simulate, tokenize_requests
 from extproc.lab.engines.profiles import PROFILES
+from extproc.settings import DEFAULT_PROFILE
 
 CLASSES = ("critical", "standard", "sheddable")
 REFERENCES = tuple(p for p in POLICIES if p != "llm-extproc")
@@ -50,6 +52,22 @@ BENCH_ADMISSION: dict[str, Any] = {"enabled": True, "max_predicted_wait_s": 0.15
 
 
 TPOT_GATE_ROW = "llm-extproc (+ TPOT gate)"
+DECODE_SPEED_ROW = "llm-extproc (+ decode-speed)"
+DECODE_SPEED_WEIGHT = 0.6  # against predicted-ttft's 1.0: docs/benchmarks.md, "Decode speed in placement"
+
+
+def decode_speed_profile(tpot_objective_s: float) -> dict[str, Any]:
+    """The default profile with the `decode-speed` scorer beside predicted-ttft."""
+    scorer = {
+        "name": "decode-speed",
+        "weight": DECODE_SPEED_WEIGHT,
+        "params": {"tpot_objective_s": tpot_objective_s},
+    }
+    return {
+        **DEFAULT_PROFILE,
+        "scorers": [*DEFAULT_PROFILE["scorers"], scorer],
+        "picker": SEEDED_PICKER,
+    }
 
 
 @dataclass(slots=True)
@@ -77,14 +95,21 @@ def _workload(cfg: BenchConfig, rate: float) -> Workload:
 
 
 def _run(
-    cfg: BenchConfig, wl: Workload, policy: str, admission: bool | dict[str, Any]
+    cfg: BenchConfig,
+    wl: Workload,
+    policy: str,
+    admission: bool | dict[str, Any],
+    profile: dict[str, Any] | None = None,
 ) -> list[RequestRecord]:
-    """`admission`: True for the bench's, a dict for another (llm-extproc only), False for none."""
+    """`admission`: True for the bench's, a dict for another (llm-extproc only), False for none;
+    `profile`: llm-extproc's scheduling profile instead of the default one."""
     requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
     fleet = [PROFILES[cfg.profile]] * cfg.engines
-    service = None
+    service: dict[str, Any] | None = None
     if admission:
         service = {"admission": cfg.admission if admission is True else admission}
+    if profile is not None:
+        service = {**(service or {}), "scheduling": {"profiles": {"default": profile}}}
     run = simulate(
         requests,
         fleet,
@@ -183,21 +208,24 @@ def run_bench(
         capacity = calibrate(cfg)
     log(f"fleet capacity: {capacity:.2f} requests/s ({cfg.engines} x {cfg.profile}, {cfg.workload})")
     runs: dict[str, dict[str, Any]] = {}
-    # Admission as configured; the same with the TPOT gate at the SLO's TPOT, when it has none
-    # (TPOT_GATE_ROW: at 160 % it decides goodput, at 120 % it costs the cold start); none.
-    policies: list[tuple[str, str, bool | dict[str, Any]]] = [("llm-extproc", "llm-extproc", True)]
+    # Admission as configured; the same with the `decode-speed` scorer beside predicted-ttft, and
+    # with the TPOT gate instead (both at the SLO's TPOT: the scorer keeps one engine from decoding
+    # slower than the SLO at 120 %, the gate sheds at 160 %); none.
+    Row = tuple[str, str, bool | dict[str, Any], dict[str, Any] | None]
+    policies: list[Row] = [("llm-extproc", "llm-extproc", True, None)]
+    policies.append((DECODE_SPEED_ROW, "llm-extproc", True, decode_speed_profile(cfg.slo.tpot_s)))
     if cfg.admission.get("max_tpot_s") is None:
         gated = {**cfg.admission, "max_tpot_s": cfg.slo.tpot_s}
-        policies.append((TPOT_GATE_ROW, "llm-extproc", gated))
-    policies.append(("llm-extproc (no admission)", "llm-extproc", False))
-    policies += [(p, p, False) for p in cfg.references]
+        policies.append((TPOT_GATE_ROW, "llm-extproc", gated, None))
+    policies.append(("llm-extproc (no admission)", "llm-extproc", False, None))
+    policies += [(p, p, False, None) for p in cfg.references]
     for load in cfg.loads:
         rate = capacity * load
         wl = _workload(cfg, rate)
         window = wl.duration_s
         per_load: dict[str, Any] = {}
-        for name, policy, admission in policies:
-            records = _run(cfg, wl, policy, admission)
+        for name, policy, admission, profile in policies:
+            records = _run(cfg, wl, policy, admission, profile)
             report = summarize(name, records, window, cfg.slo)
             per_load[name] = {
                 "goodput_rps": report.goodput_rps,

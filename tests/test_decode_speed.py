@@ -1,0 +1,136 @@
+"""Decode speed: the smoothed engine-reported TPOT (shared by admission's gate) and the `decode-speed`
+scorer, with fake fleet state; and, in the discrete-event mode, the placement problem it exists for (an
+engine holding more hot tenants than it decodes for within the objective)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from builders import NOW, chat_request
+
+from extproc.fleet import Load
+from extproc.lab.bench.lora_latency import ModelState, up
+from extproc.lab.bench.lora_latency import ld as model_load
+from extproc.scheduling import build_scorer
+from extproc.scheduling.decode_speed import DecodeSpeedScorer, SmoothedTpot
+from extproc.settings import ConfigError
+
+
+def ld(**kw: Any) -> Load:
+    return model_load(**{"published_at": NOW, "num_running": 8, **kw})
+
+
+def test_smoothing_weighs_intervals_by_time_and_forgets_an_idle_engine() -> None:
+    tpot = SmoothedTpot(window_s=2.0)
+    assert tpot.read("a", ld(tpot_s=None)) is None  # nothing reported yet
+    assert tpot.read("a", ld(tpot_s=0.05)) == 0.05
+    assert tpot.read("a", ld(tpot_s=0.05)) == 0.05  # the same snapshot is read once
+    # 1 s later one interval read 0.45 s (a long prefill step): 0.05 + (1 - e^-0.5) x 0.4
+    assert tpot.read("a", ld(tpot_s=0.45, published_at=NOW + 1)) == pytest.approx(0.2074, abs=1e-4)
+    # running, no token in the interval: the last figure stands
+    assert tpot.read("a", ld(tpot_s=None, published_at=NOW + 1.5)) == pytest.approx(0.2074, abs=1e-4)
+    # a restart (new epoch) starts afresh
+    assert tpot.read("a", ld(tpot_s=0.03, published_at=NOW + 2, epoch=1)) == 0.03
+    # idle: forgotten, so nothing is slow there
+    assert tpot.read("a", ld(tpot_s=None, num_running=0, published_at=NOW + 3, epoch=1)) is None
+    assert tpot.read("a", ld(tpot_s=0.04, published_at=NOW + 4, epoch=1)) == 0.04
+    for bad in (float("nan"), float("inf"), -1.0):
+        assert tpot.read("b", ld(tpot_s=bad)) is None
+
+
+def test_score_falls_from_full_below_to_zero_at_the_objective_and_unknown_is_neutral() -> None:
+    state = ModelState(
+        {
+            "fast": ld(tpot_s=0.05),
+            "edge": ld(tpot_s=0.08),
+            "slowing": ld(tpot_s=0.09),
+            "at": ld(tpot_s=0.1),
+            "over": ld(tpot_s=0.2),
+            "unknown": ld(tpot_s=None),
+        },
+        NOW,
+    )
+    cands = [up(u) for u in ("fast", "edge", "slowing", "at", "over", "unknown", "no-load")]
+    scorer = DecodeSpeedScorer(tpot_objective_s=0.1)
+    assert scorer.score(chat_request(), cands, state) == [1.0, 1.0, pytest.approx(0.5), 0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        {"tpot_objective_s": 0},
+        {"tpot_objective_s": 0.1, "full_below": 1.0},
+        {"tpot_objective_s": 0.1, "window_s": 0},
+    ],
+)
+def test_bad_params(params: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="decode-speed"):
+        build_scorer("decode-speed", params)
+
+
+def test_a_slow_prefix_holder_loses_its_hot_tenants_in_the_des() -> None:
+    """The priorities bench's run at 120 % of capacity, seed 7 (docs/benchmarks.md, "Decode speed in
+    placement"; ~8 s a run here): with `predicted-ttft` alone one engine decodes slower than the 100 ms
+    objective for the whole run; with `decode-speed` beside it, the TPOT p90 stays under it and
+    more requests are good."""
+    from extproc.lab.discrete_event.priorities import BENCH_ADMISSION, BenchConfig, _workload
+    from extproc.lab.discrete_event.simulation import SEEDED_PICKER, simulate, tokenize_requests
+    from extproc.lab.engines.profiles import PROFILES
+
+    cfg = BenchConfig(seed=7)
+    wl = _workload(cfg, 9.43 * 1.2)
+    requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
+    tokens = tokenize_requests(requests)
+
+    def run(scorers: list[dict[str, Any]]) -> tuple[int, float]:
+        profile = {"filters": ["slo-ttft"], "scorers": scorers, "picker": SEEDED_PICKER}
+        service = {"admission": BENCH_ADMISSION, "scheduling": {"profiles": {"default": profile}}}
+        fleet = [PROFILES[cfg.profile]] * 4
+        records = simulate(
+            requests,
+            fleet,
+            "llm-extproc",
+            service=service,
+            tokens=tokens,
+            headers=wl.headers,
+            publish_interval_s=cfg.publish_interval_s,
+        ).records
+        tpots = sorted(r.tpot_s for r in records if r.ok and r.tpot_s is not None)
+        good = sum(
+            1 for r in records if r.ok and r.ttft_s is not None and r.ttft_s <= 1.0 and r.tpot_s <= 0.1
+        )
+        return good, tpots[int(0.9 * len(tpots))]
+
+    plain_good, plain_p90 = run([{"name": "predicted-ttft"}])
+    speed = {"name": "decode-speed", "weight": 0.6, "params": {"tpot_objective_s": 0.1}}
+    good, p90 = run([{"name": "predicted-ttft"}, speed])
+    assert plain_p90 > 0.1, plain_p90  # the problem is there without the scorer
+    assert p90 < 0.1, p90
+    assert good > plain_good + 0.1 * len(requests), (good, plain_good)
+
+
+def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
+    """The bench's llm-extproc variants all run (small: 300 requests, two loads, one reference); the
+    TPOT gate sheds sheddable requests at 160 %, never critical ones."""
+    from extproc.lab.discrete_event.priorities import (
+        DECODE_SPEED_ROW,
+        TPOT_GATE_ROW,
+        BenchConfig,
+        run_bench,
+    )
+
+    cfg = BenchConfig(count=300, loads=(0.5, 1.6), references=("round-robin",))
+    result = run_bench(cfg, log=lambda *_: None, capacity=9.43)
+    rows = result["loads"]["1.6"]["policies"]
+    assert list(rows) == [
+        "llm-extproc",
+        DECODE_SPEED_ROW,
+        TPOT_GATE_ROW,
+        "llm-extproc (no admission)",
+        "round-robin",
+    ]
+    assert rows["llm-extproc (no admission)"]["ok"] == 300
+    gate = rows[TPOT_GATE_ROW]["classes"]
+    assert gate["sheddable"]["shed"] > 0 and gate["critical"]["shed"] == 0
