@@ -630,6 +630,7 @@ class TestRegistry:
     def test_registered_lists_builtins_sorted(self) -> None:
         assert registered("filter") == ["lora-affinity", "max-inflight", "saturation", "slo-ttft"]
         assert registered("scorer") == [
+            "decode-speed",
             "gpu-utilization",
             "kv-cache-usage",
             "latency-ucb",
@@ -644,7 +645,7 @@ class TestRegistry:
 
     def test_build_unknown_kind_or_name(self) -> None:
         with pytest.raises(
-            ValueError, match=r"unknown scorer 'nope' \(known: gpu-utilization, kv-cache-usage, latency-ucb"
+            ValueError, match=r"unknown scorer 'nope' \(known: decode-speed, gpu-utilization, kv-cache-usage"
         ):
             build_scorer("nope")
 
