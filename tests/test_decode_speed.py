@@ -132,5 +132,8 @@ def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
         "round-robin",
     ]
     assert rows["llm-extproc (no admission)"]["ok"] == 300
+    # its own checks, at the highest load here (no 120 % in this run)
+    assert result["checks_decode_speed"]["goodput_rps"] == rows[DECODE_SPEED_ROW]["goodput_rps"]
+    assert result["checks"]["goodput_rps"] == rows["llm-extproc"]["goodput_rps"]
     gate = rows[TPOT_GATE_ROW]["classes"]
     assert gate["sheddable"]["shed"] > 0 and gate["critical"]["shed"] == 0
