@@ -8,7 +8,9 @@ snapshot's count plus what was sent since), fewer than `max_inflight_per_weight`
 process has in flight there (the only signal without snapshots) and, when `max_predicted_wait_s` is
 set, a predicted prefill queue below it (the default profile's `predicted-ttft` model: engines admit
 requests into their running batch at once and prefill them in chunks, so their waiting count misses
-most of a prefill backlog). Then:
+most of a prefill backlog) and, when `max_tpot_s` is set, a time per output token below it (the
+engines' own, smoothed: `scheduling.decode_speed.SmoothedTpot`; at deep overload it is decode speed,
+not the prefill queue, that decides whether requests meet their objective). Then:
 
 - sheddable: 429 `saturated` with Retry-After, at once;
 - standard: waits in the model's queue, round robin across tenants (user, else session), and is
