@@ -54,7 +54,10 @@ class SmoothedTpot:
     def read(self, upstream_id: str, load: Load) -> float | None:
         """The smoothed TPOT in seconds, or None while nothing is known (no report yet, or idle)."""
         seen = self._seen.get(upstream_id)
-        if seen is not None and seen.published_at == load.published_at and seen.epoch == load.epoch:
+        if seen is not None and seen.epoch != load.epoch:  # restarted: what it was is gone
+            del self._seen[upstream_id]
+            seen = None
+        if seen is not None and seen.published_at == load.published_at:
             return seen.value
         tpot = load.tpot_s
         if tpot is None or not math.isfinite(tpot) or tpot < 0:
@@ -64,8 +67,8 @@ class SmoothedTpot:
                 self._seen.pop(upstream_id, None)
                 return None
             # Running but no token in the interval: one step longer than the interval.
-            return seen.value if seen is not None and seen.epoch == load.epoch else None
-        if seen is None or seen.epoch != load.epoch:
+            return seen.value if seen is not None else None
+        if seen is None:
             if len(self._seen) >= MAX_TRACKED_UPSTREAMS:
                 self._seen.clear()
             self._seen[upstream_id] = _Smoothed(load.published_at, load.epoch, tpot)
@@ -104,8 +107,7 @@ class DecodeSpeedScorer:
         start = self.full_below * objective
         span = objective - start
         out = []
-        for u in candidates:
-            load = state.load(u.id)
+        for u, load in zip(candidates, state.loads_of(candidates), strict=True):
             tpot = None if load is None else self._tpot.read(u.id, load)
             if tpot is None or tpot <= start:
                 out.append(1.0)

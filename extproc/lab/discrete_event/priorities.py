@@ -12,7 +12,8 @@ admission off. Capacity is measured first, under the SLO: the highest arrival
 rate at which exact-ttft (greedy least TTFT from the engines' exact state) still serves 95 % of the
 requests within the SLO (bisection). Writes `priorities.json` and `priorities.md`.
 
-The checks (printed and in the JSON), at 120 %, for llm-extproc with admission:
+The checks (printed and in the JSON), at 120 %, for llm-extproc with admission (and the same for the
+decode-speed row, `checks_decode_speed`):
 - critical TTFT p99 <= 1.5 x its value at 50 %, over the whole run and after warm-up (the requests
   after the first `--warmup` share in arrival order, the same ones at every load: the run starts
   with every cache empty, and that cold start sets the whole-run tail);
