@@ -35,11 +35,12 @@ ENV_REDIS_PASSWORD = "LLM_EXTPROC_REDIS_PASSWORD"
 # ExtProcPerRoute.overrides.grpc_initial_metadata.
 PROFILE_METADATA_KEY = "x-llm-profile"
 # Route metadata (the same grpc_initial_metadata) for admission (lifecycle/admission.py): a route can
-# fix a request's priority class, cap the class its clients may ask for, and set a default TTFT
-# objective. Values: critical | standard | sheddable (or an integer: > 0 critical, < 0 sheddable).
+# fix a request's priority class, cap the class its clients may ask for, and set default TTFT and
+# TPOT objectives. Values: critical | standard | sheddable (or an integer: > 0 critical, < 0 sheddable).
 PRIORITY_METADATA_KEY = "x-llm-priority"
 MAX_PRIORITY_METADATA_KEY = "x-llm-max-priority"
 TTFT_SLO_METADATA_KEY = "x-llm-ttft-slo-ms"
+TPOT_SLO_METADATA_KEY = "x-llm-tpot-slo-ms"
 DEFAULT_LISTEN = "127.0.0.1:9002"
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9090"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -100,9 +101,10 @@ DEFAULT_BODY_TRIM_INTERVAL_S = 2.0
 # model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global
 # KV-usage cut-off: a busy engine that holds the prompt's prefix is often still the best place for it.
 # Chosen in the discrete-event mode over the robustness grid (docs/benchmarks.md).
-# `slo-ttft` passes every request through unless it carries a TTFT objective (x-llm-ttft-slo-ms).
+# `slo-ttft` and `slo-tpot` pass every request through unless it carries a TTFT objective
+# (x-llm-ttft-slo-ms) or a TPOT objective (x-llm-tpot-slo-ms).
 DEFAULT_PROFILE: dict[str, Any] = {
-    "filters": ["slo-ttft"],
+    "filters": ["slo-ttft", "slo-tpot"],
     "scorers": [{"name": "predicted-ttft", "weight": 1.0}],
     "picker": "max-score",
 }
@@ -130,6 +132,7 @@ class HeaderNames:
     user: str = "x-user-id"
     priority: str = "x-llm-priority"
     ttft_slo: str = "x-llm-ttft-slo-ms"  # the client's time-to-first-token objective (opt-in shedding)
+    tpot_slo: str = "x-llm-tpot-slo-ms"  # the client's time-per-output-token objective (opt-in shedding)
     ticket: str = "x-llm-ticket"  # set on routed requests; Envoy's access log echoes it back
     stream: str = "x-llm-stream"  # set on streaming requests: envoy.yaml gives them a header timeout
 

@@ -1,5 +1,5 @@
 """Admission control without Envoy: priority classes, the saturation signal (with and without
-snapshots), the fair queue, timeouts, cancellation, and the slo-ttft filter, through the real
+snapshots), the fair queue, timeouts, cancellation, and the slo-ttft and slo-tpot filters, through the real
 RequestLifecycle (real pool, in-flight accounting, fleet view and metrics)."""
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def lifecycle(admission: dict[str, Any] | None = None, view: bool = False, **ext
     return RequestLifecycle(cfg, Metrics(["m"], ["a", "b"]), fleet)
 
 
-def head(priority: str | None = None, user: str | None = None, slo: str | None = None) -> Any:
+def head(
+    priority: str | None = None, user: str | None = None, slo: str | None = None, tpot: str | None = None
+) -> Any:
     headers = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
     if priority is not None:
         headers["x-llm-priority"] = priority
@@ -53,12 +55,15 @@ def head(priority: str | None = None, user: str | None = None, slo: str | None =
         headers["x-user-id"] = user
     if slo is not None:
         headers["x-llm-ttft-slo-ms"] = slo
+    if tpot is not None:
+        headers["x-llm-tpot-slo-ms"] = tpot
     return parse_head(
         headers,
         session_header="x-session-id",
         user_header="x-user-id",
         priority_header="x-llm-priority",
         ttft_slo_header="x-llm-ttft-slo-ms",
+        tpot_slo_header="x-llm-tpot-slo-ms",
     )
 
 
@@ -100,11 +105,20 @@ def test_priority_header_accepts_class_names(raw: str, value: int) -> None:
     assert head(raw).priority == value
 
 
-@pytest.mark.parametrize("raw", ["0", "-5", "abc", "nan", "inf"])
-def test_bad_slo_header_is_400(raw: str) -> None:
+@pytest.mark.parametrize("raw", ["0", "-5", "abc", "nan", "inf", "3600001"])
+@pytest.mark.parametrize("which", ["slo", "tpot"])
+def test_bad_slo_header_is_400(raw: str, which: str) -> None:
     with pytest.raises(RequestError) as info:
-        head(slo=raw)
-    assert (info.value.status, info.value.param) == (400, "x-llm-ttft-slo-ms")
+        head(**{which: raw})
+    name = "x-llm-ttft-slo-ms" if which == "slo" else "x-llm-tpot-slo-ms"
+    assert (info.value.status, info.value.param) == (400, name)
+    assert name in info.value.message
+
+
+def test_slo_headers_are_read() -> None:
+    h = head(slo="250", tpot=" 80.5 ")
+    assert (h.ttft_slo_ms, h.tpot_slo_ms) == (250.0, 80.5)
+    assert (head().ttft_slo_ms, head().tpot_slo_ms) == (None, None)
 
 
 def test_route_metadata_fixes_caps_and_defaults() -> None:
@@ -114,6 +128,9 @@ def test_route_metadata_fixes_caps_and_defaults() -> None:
     assert capped == RouteAdmission(cap=0, ttft_slo_ms=800.0)
     assert route_admission([("x-llm-profile", "p")]) is NO_ROUTE
     assert route_admission([("x-llm-priority", "urgent!"), ("x-llm-ttft-slo-ms", "-1")]) == RouteAdmission()
+    decode = route_admission([("x-llm-tpot-slo-ms", "75")])
+    assert decode == RouteAdmission(tpot_slo_ms=75.0)
+    assert route_admission([("x-llm-tpot-slo-ms", "fast")]) == RouteAdmission()  # logged, ignored
 
     lc = lifecycle()
     req = lc.prepare(head("critical"), BODY, fixed)
@@ -122,6 +139,8 @@ def test_route_metadata_fixes_caps_and_defaults() -> None:
     assert (req.priority, req.ttft_slo_ms) == (0, 100.0)  # capped; the client's own objective wins
     req = lc.prepare(head("sheddable"), BODY, capped)
     assert (req.priority, req.ttft_slo_ms) == (-1, 800.0)  # a lower class is kept; route's objective
+    assert lc.prepare(head(), BODY, decode).tpot_slo_ms == 75.0  # the route's TPOT objective
+    assert lc.prepare(head(tpot="40"), BODY, decode).tpot_slo_ms == 40.0  # the client's wins
 
 
 # -- the fair queue ----------------------------------------------------------------------------------
@@ -391,6 +410,84 @@ async def test_slo_ttft_keeps_only_candidates_that_meet_it() -> None:
 def test_slo_ttft_needs_predicted_ttft() -> None:
     with pytest.raises(ConfigError, match="predicted-ttft"):
         lifecycle(scheduling={"profiles": {"default": {"filters": ["slo-ttft"], "scorers": ["queue-depth"]}}})
+
+
+# -- slo-tpot ----------------------------------------------------------------------------------------
+def publish_tpot(
+    lc: RequestLifecycle, tpots: dict[str, float | None], running: int = 4, at: float = 0.0
+) -> None:
+    """One snapshot per cluster with its own TPOT (seconds; None: no figure reported), published
+    `at` seconds after NOW."""
+    assert lc.view is not None
+    seq = next(_sequence)
+    for cluster, tpot in tpots.items():
+        state = instance_state(
+            f"{cluster}/x",
+            cluster,
+            None,
+            num_waiting=0,
+            num_running=running,
+            tpot_s=tpot,
+            sequence=seq,
+            published_at=NOW + at,
+            expires_at=NOW + at + 3.0,
+        )
+        assert lc.view.apply(state)
+    lc.view.rebuild()
+
+
+def tpot_lifecycle() -> RequestLifecycle:
+    profile = {"filters": ["slo-tpot"], "scorers": ["least-outstanding"]}
+    return lifecycle(view=True, scheduling={"profiles": {"default": profile}})
+
+
+async def test_slo_tpot_keeps_only_upstreams_that_decode_fast_enough() -> None:
+    lc = tpot_lifecycle()
+    publish_tpot(lc, {"a": 0.15, "b": 0.05})
+    clusters = set()
+    for _ in range(6):
+        d = await lc.route_async(head(tpot="100"), BODY)  # held: least-outstanding alone would alternate
+        clusters.add(d.upstream.cluster)
+    assert clusters == {"b"}
+    plain = {(await lc.route_async(head(), BODY)).upstream.cluster for _ in range(6)}
+    assert plain == {"a"}  # no objective: not filtered (a has fewer in flight)
+    assert (await lc.route_async(head(tpot="200"), BODY)).upstream.cluster in {"a", "b"}
+
+
+async def test_slo_tpot_sheds_when_no_upstream_decodes_fast_enough() -> None:
+    lc = tpot_lifecycle()
+    publish_tpot(lc, {"a": 0.15, "b": 0.12})
+    for priority in ("critical", "standard"):  # an objective the fleet cannot meet: any class
+        with pytest.raises(RequestError) as info:
+            await lc.route_async(head(priority, tpot="100"), BODY)
+        err = info.value
+        assert (err.status, err.code, err.retry_after) == (429, "slo_unattainable", 1)
+        assert "time per output token of 100 ms; the best predicted is 120 ms" in err.message
+    assert count(lc, "critical", "shed", "slo_unattainable") == 1
+    assert count(lc, "standard", "shed", "slo_unattainable") == 1
+    assert await lc.route_async(head(), BODY)  # no objective: routed
+    publish_tpot(lc, {"a": 0.15, "b": None}, running=0, at=0.5)  # b drained: idle, nothing says it is slow
+    assert (await lc.route_async(head(tpot="100"), BODY)).upstream.cluster == "b"
+
+
+async def test_slo_tpot_smooths_the_engines_figure() -> None:
+    """One slow interval does not close an upstream that decoded fast before it (the same smoothing
+    as admission's TPOT gate: over `window_s`, 2 s by default)."""
+    lc = tpot_lifecycle()
+    publish_tpot(lc, {"a": 0.15, "b": 0.05})
+    assert (await lc.route_async(head(tpot="100"), BODY)).upstream.cluster == "b"
+    publish_tpot(lc, {"a": 0.15, "b": 0.3}, at=0.5)  # b: one 0.5 s interval at 300 ms
+    # smoothed: 0.05 + (1 - exp(-0.25)) x 0.25 = 0.105 s: over 100 ms, under 110 ms
+    assert (await lc.route_async(head(tpot="110"), BODY)).upstream.cluster == "b"
+    with pytest.raises(RequestError):
+        await lc.route_async(head(tpot="100"), BODY)
+
+
+@pytest.mark.parametrize("params", [{"margin": 0}, {"window_s": 0}, {"retry_after_s": 0}, {"speed": 1}])
+def test_slo_tpot_bad_params(params: dict[str, Any]) -> None:
+    profile = {"filters": [{"name": "slo-tpot", "params": params}], "scorers": ["least-outstanding"]}
+    with pytest.raises(ConfigError, match="slo-tpot"):
+        lifecycle(scheduling={"profiles": {"default": profile}})
 
 
 # -- configuration -----------------------------------------------------------------------------------

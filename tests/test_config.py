@@ -335,8 +335,8 @@ class TestLoadConfig:
         assert cfg.grpc_max_message_bytes >= cfg.max_body_bytes + MIB
         assert cfg.profile.name == "default"
         assert [(type(s), w) for s, w in cfg.profile.scorers] == [(PredictedTtftScorer, 1.0)]
-        # no global KV-usage cut-off; slo-ttft acts only on requests that carry a TTFT objective
-        assert [plugin_name(f) for f in cfg.profile.filters] == ["slo-ttft"]
+        # no global KV-usage cut-off; slo-ttft / slo-tpot act only on requests with an objective
+        assert [plugin_name(f) for f in cfg.profile.filters] == ["slo-ttft", "slo-tpot"]
         assert not cfg.admission.enabled and cfg.admission.max_wait_s < 2.0  # Envoy's message_timeout
         scorer = cfg.profile.scorers[0][0]
         assert isinstance(scorer, PredictedTtftScorer) and scorer.prefill_tokens_per_s == 2400

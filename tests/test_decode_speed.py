@@ -56,10 +56,26 @@ def test_score_falls_from_full_below_to_zero_at_the_objective_and_unknown_is_neu
     assert scorer.score(chat_request(), cands, state) == [1.0, 1.0, pytest.approx(0.5), 0.0, 0.0, 1.0, 1.0]
 
 
+def test_the_requests_own_objective_wins_and_without_any_every_score_is_neutral() -> None:
+    state = ModelState({"fast": ld(tpot_s=0.05), "mid": ld(tpot_s=0.09), "slow": ld(tpot_s=0.2)}, NOW)
+    cands = [up(u) for u in ("fast", "mid", "slow")]
+    asks_100ms = chat_request()
+    asks_100ms.tpot_slo_ms = 100.0
+    asks_250ms = chat_request()
+    asks_250ms.tpot_slo_ms = 250.0
+    bare = DecodeSpeedScorer()  # no objective in the profile
+    assert bare.score(chat_request(), cands, state) == [1.0, 1.0, 1.0]
+    assert bare.score(asks_100ms, cands, state) == [1.0, pytest.approx(0.5), 0.0]
+    fleet_objective = DecodeSpeedScorer(tpot_objective_s=0.1)
+    # 250 ms: full below 200 ms, so only "slow" (at 200 ms) is at the edge and still 1.0
+    assert fleet_objective.score(asks_250ms, cands, state) == [1.0, 1.0, 1.0]
+    assert fleet_objective.score(chat_request(), cands, state) == [1.0, pytest.approx(0.5), 0.0]
+
+
 @pytest.mark.parametrize(
     "params",
     [
-        {},
+        {"tpot_objective_s": -0.1},
         {"tpot_objective_s": 0},
         {"tpot_objective_s": 0.1, "full_below": 1.0},
         {"tpot_objective_s": 0.1, "window_s": 0},
@@ -84,7 +100,7 @@ def test_a_slow_prefix_holder_loses_its_hot_tenants_in_the_des() -> None:
     requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
     tokens = tokenize_requests(requests)
 
-    def run(scorers: list[dict[str, Any]]) -> tuple[int, float]:
+    def run(scorers: list[dict[str, Any]], headers: Any = wl.headers) -> tuple[int, float]:
         profile = {"filters": ["slo-ttft"], "scorers": scorers, "picker": SEEDED_PICKER}
         service = {"admission": BENCH_ADMISSION, "scheduling": {"profiles": {"default": profile}}}
         fleet = [PROFILES[cfg.profile]] * 4
@@ -94,7 +110,7 @@ def test_a_slow_prefix_holder_loses_its_hot_tenants_in_the_des() -> None:
             "llm-extproc",
             service=service,
             tokens=tokens,
-            headers=wl.headers,
+            headers=headers,
             publish_interval_s=cfg.publish_interval_s,
         ).records
         tpots = sorted(r.tpot_s for r in records if r.ok and r.tpot_s is not None)
@@ -109,6 +125,10 @@ def test_a_slow_prefix_holder_loses_its_hot_tenants_in_the_des() -> None:
     assert plain_p90 > 0.1, plain_p90  # the problem is there without the scorer
     assert p90 < 0.1, p90
     assert good > plain_good + 0.1 * len(requests), (good, plain_good)
+    # The same objective carried by every request (x-llm-tpot-slo-ms) instead of the profile: the
+    # same placements, so the same run.
+    asked = [{**(h or {}), "x-llm-tpot-slo-ms": "100"} for h in wl.headers]
+    assert run([{"name": "predicted-ttft"}, {"name": "decode-speed", "weight": 0.6}], asked) == (good, p90)
 
 
 def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:

@@ -35,7 +35,7 @@ from extproc.scheduling.plugins import (
 )
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.scheduling.prefix import PrefixAffinityScorer
-from extproc.scheduling.slo import SloTtftFilter
+from extproc.scheduling.slo import SloTpotFilter, SloTtftFilter
 from extproc.settings import AFFINITY_V1_PROFILE, DEFAULT_PROFILE
 
 
@@ -555,7 +555,8 @@ class TestProfileFromConfig:
     def test_default_profile(self) -> None:
         profile = profile_from_config("default", DEFAULT_PROFILE)
         assert [(type(s), w) for s, w in profile.scorers] == [(PredictedTtftScorer, 1.0)]
-        assert [type(f) for f in profile.filters] == [SloTtftFilter]  # a no-op without an objective
+        # no-ops for requests without objectives
+        assert [type(f) for f in profile.filters] == [SloTtftFilter, SloTpotFilter]
 
     def test_affinity_v1_profile(self) -> None:
         profile = profile_from_config("v1", AFFINITY_V1_PROFILE)
@@ -628,7 +629,7 @@ class TestProfileFromConfig:
 
 class TestRegistry:
     def test_registered_lists_builtins_sorted(self) -> None:
-        assert registered("filter") == ["lora-affinity", "max-inflight", "saturation", "slo-ttft"]
+        assert registered("filter") == ["lora-affinity", "max-inflight", "saturation", "slo-tpot", "slo-ttft"]
         assert registered("scorer") == [
             "decode-speed",
             "gpu-utilization",

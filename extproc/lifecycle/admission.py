@@ -38,12 +38,13 @@ from enum import Enum, StrEnum
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest, RequestError
 from extproc.openai.errors import shed
-from extproc.openai.parse import PRIORITY_NAMES, parse_ttft_slo
+from extproc.openai.parse import PRIORITY_NAMES, parse_slo_ms
 from extproc.scheduling import FleetState
 from extproc.scheduling.decode_speed import SmoothedTpot
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
     PRIORITY_METADATA_KEY,
+    TPOT_SLO_METADATA_KEY,
     TTFT_SLO_METADATA_KEY,
     AdmissionSettings,
 )
@@ -71,12 +72,13 @@ class RouteAdmission:
     """What a route's metadata says about admission (settings: PRIORITY_METADATA_KEY and friends).
 
     `fixed`: the route's class, whatever the client sends; `cap`: the highest class its clients may
-    ask for (a client's lower class is kept); `ttft_slo_ms`: the objective for requests whose client
-    set none."""
+    ask for (a client's lower class is kept); `ttft_slo_ms` / `tpot_slo_ms`: the objectives for
+    requests whose client set none."""
 
     fixed: int | None = None
     cap: int | None = None
     ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
 
     def apply(self, request: InferenceRequest) -> None:
         if self.fixed is not None:
@@ -85,10 +87,14 @@ class RouteAdmission:
             request.priority = self.cap
         if request.ttft_slo_ms is None and self.ttft_slo_ms is not None:
             request.ttft_slo_ms = self.ttft_slo_ms
+        if request.tpot_slo_ms is None and self.tpot_slo_ms is not None:
+            request.tpot_slo_ms = self.tpot_slo_ms
 
 
 NO_ROUTE = RouteAdmission()
-_ROUTE_KEYS = frozenset({PRIORITY_METADATA_KEY, MAX_PRIORITY_METADATA_KEY, TTFT_SLO_METADATA_KEY})
+_ROUTE_KEYS = frozenset(
+    {PRIORITY_METADATA_KEY, MAX_PRIORITY_METADATA_KEY, TTFT_SLO_METADATA_KEY, TPOT_SLO_METADATA_KEY}
+)
 _warned: set[str] = set()
 
 
@@ -114,7 +120,6 @@ def route_admission(metadata: Iterable[tuple[str, str | bytes]]) -> RouteAdmissi
     if not found:
         return NO_ROUTE
     fixed = cap = None
-    slo: float | None = None
     if PRIORITY_METADATA_KEY in found:
         fixed = route_priority(found[PRIORITY_METADATA_KEY])
         if fixed is None:
@@ -123,12 +128,22 @@ def route_admission(metadata: Iterable[tuple[str, str | bytes]]) -> RouteAdmissi
         cap = route_priority(found[MAX_PRIORITY_METADATA_KEY])
         if cap is None:
             _warn(MAX_PRIORITY_METADATA_KEY, found[MAX_PRIORITY_METADATA_KEY])
-    if TTFT_SLO_METADATA_KEY in found:
-        try:
-            slo = parse_ttft_slo(found[TTFT_SLO_METADATA_KEY], TTFT_SLO_METADATA_KEY)
-        except RequestError:
-            _warn(TTFT_SLO_METADATA_KEY, found[TTFT_SLO_METADATA_KEY])
-    return RouteAdmission(fixed=fixed, cap=cap, ttft_slo_ms=slo)
+    return RouteAdmission(
+        fixed=fixed,
+        cap=cap,
+        ttft_slo_ms=_route_slo(found, TTFT_SLO_METADATA_KEY),
+        tpot_slo_ms=_route_slo(found, TPOT_SLO_METADATA_KEY),
+    )
+
+
+def _route_slo(found: dict[str, str], key: str) -> float | None:
+    if key not in found:
+        return None
+    try:
+        return parse_slo_ms(found[key], key)
+    except RequestError:
+        _warn(key, found[key])
+        return None
 
 
 def _warn(key: str, value: str) -> None:

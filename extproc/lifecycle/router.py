@@ -105,6 +105,7 @@ class RequestLifecycle:
             user_header=h.user,
             priority_header=h.priority,
             ttft_slo_header=h.ttft_slo,
+            tpot_slo_header=h.tpot_slo,
         )
         if head.content_length is not None and head.content_length > self.config.max_body_bytes:
             raise body_too_large(self.config.max_body_bytes)
@@ -272,7 +273,7 @@ class RequestLifecycle:
                 request, candidates, self.state, self.metrics.observe_plugin, why, ranked=ranked
             )
         except RequestError as err:
-            if err.code == "slo_unattainable":  # the slo-ttft filter: counted as an admission shed
+            if err.code == "slo_unattainable":  # slo-ttft / slo-tpot: counted as an admission shed
                 klass = priority_class(request.priority).value
                 self.metrics.admission.labels(priority=klass, decision="shed", reason=err.code).inc()
             raise

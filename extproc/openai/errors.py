@@ -126,13 +126,16 @@ def shed(reason: str, message: str, retry_after: int) -> RequestError:
     return RequestError(429, message, err_type="rate_limit_error", code=reason, retry_after=retry_after)
 
 
-def slo_unattainable(slo_ms: float, best_ms: float | None, retry_after: int = 1) -> RequestError:
-    """429: the request asked for a time to first token no upstream is predicted to meet; shed now
-    rather than served late (only requests that set an objective get this)."""
+def slo_unattainable(
+    slo_ms: float, best_ms: float | None, retry_after: int = 1, *, measure: str = "time to first token"
+) -> RequestError:
+    """429: the request asked for a time to first token (or per output token: `measure`) no upstream
+    is predicted to meet; shed now rather than served late (only requests that set an objective get
+    this)."""
     best = f"; the best predicted is {best_ms:.0f} ms" if best_ms is not None else ""
     return RequestError(
         429,
-        f"No upstream is predicted to meet the requested time to first token of {slo_ms:g} ms{best}.",
+        f"No upstream is predicted to meet the requested {measure} of {slo_ms:g} ms{best}.",
         err_type="rate_limit_error",
         code="slo_unattainable",
         retry_after=retry_after,

@@ -37,7 +37,7 @@ MAX_MODEL_NAME = 256
 # Priority classes by name, as the integers the priority header also accepts (Gateway API Inference
 # Extension convention: above 0 critical, 0 standard, below 0 sheddable).
 PRIORITY_NAMES: dict[str, int] = {"critical": 1, "standard": 0, "sheddable": -1}
-MAX_TTFT_SLO_MS = 3_600_000.0
+MAX_SLO_MS = 3_600_000.0
 Body = bytes | bytearray | memoryview  # what orjson reads: a worker parses from shared memory
 
 
@@ -55,6 +55,8 @@ class RequestHead:
     priority: int
     ttft_slo_ms: float | None = None
     """The client's time-to-first-token objective (the TTFT SLO header), if it sent one."""
+    tpot_slo_ms: float | None = None
+    """The client's time-per-output-token objective (the TPOT SLO header), if it sent one."""
 
 
 @dataclass(slots=True)
@@ -79,6 +81,9 @@ class InferenceRequest:
     ttft_slo_ms: float | None = None
     """Time-to-first-token objective (client header, else the route's): the `slo-ttft` filter keeps
     candidates predicted to meet it and sheds the request (429) when none is. None: no objective."""
+    tpot_slo_ms: float | None = None
+    """Time-per-output-token objective (client header, else the route's): the `slo-tpot` filter keeps
+    candidates whose engines decode fast enough and sheds the request (429) when none does."""
 
     def release_prompt(self) -> None:
         """Drop the prompt (text, messages, token ids) once the request is routed, so that a routed
@@ -108,13 +113,13 @@ def parse_priority(raw: str, name: str) -> int:
         ) from None
 
 
-def parse_ttft_slo(raw: str, name: str) -> float:
-    """A TTFT objective in milliseconds: a positive number up to an hour; else 400."""
+def parse_slo_ms(raw: str, name: str) -> float:
+    """A TTFT or TPOT objective in milliseconds: a positive number up to an hour; else 400."""
     try:
         value = float(raw.strip())
     except ValueError:
         value = -1.0
-    if not 0 < value <= MAX_TTFT_SLO_MS:  # also NaN and inf
+    if not 0 < value <= MAX_SLO_MS:  # also NaN and inf
         raise bad_request(f"Header '{name}' must be a number of milliseconds above 0.", param=name)
     return value
 
@@ -126,6 +131,7 @@ def parse_head(
     user_header: str,
     priority_header: str,
     ttft_slo_header: str | None = None,
+    tpot_slo_header: str | None = None,
 ) -> RequestHead:
     path = headers.get(":path", "/")
     content_length: int | None = None
@@ -141,11 +147,8 @@ def parse_head(
     raw_prio = headers.get(priority_header)
     if raw_prio is not None:
         priority = parse_priority(raw_prio, priority_header)
-    slo: float | None = None
-    if ttft_slo_header is not None:
-        raw_slo = headers.get(ttft_slo_header)
-        if raw_slo is not None:
-            slo = parse_ttft_slo(raw_slo, ttft_slo_header)
+    ttft_slo = _slo_header(headers, ttft_slo_header)
+    tpot_slo = _slo_header(headers, tpot_slo_header)
     return RequestHead(
         method=headers.get(":method", "GET").upper(),
         path=path,
@@ -155,8 +158,16 @@ def parse_head(
         session=headers.get(session_header) or None,
         user=headers.get(user_header) or None,
         priority=priority,
-        ttft_slo_ms=slo,
+        ttft_slo_ms=ttft_slo,
+        tpot_slo_ms=tpot_slo,
     )
+
+
+def _slo_header(headers: dict[str, str], name: str | None) -> float | None:
+    if name is None:
+        return None
+    raw = headers.get(name)
+    return None if raw is None else parse_slo_ms(raw, name)
 
 
 def check_content_type(head: RequestHead) -> None:
@@ -270,6 +281,7 @@ def _from_doc(head: RequestHead, doc: Any, body_bytes: int) -> InferenceRequest:
         body_bytes=body_bytes,
         messages=messages,
         ttft_slo_ms=head.ttft_slo_ms,
+        tpot_slo_ms=head.tpot_slo_ms,
     )
 
 
@@ -286,6 +298,7 @@ def bodyless_request(head: RequestHead) -> InferenceRequest:
         priority=head.priority,
         body_bytes=0,
         ttft_slo_ms=head.ttft_slo_ms,
+        tpot_slo_ms=head.tpot_slo_ms,
     )
 
 

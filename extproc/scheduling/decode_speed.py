@@ -82,20 +82,21 @@ class SmoothedTpot:
 @SCORERS.register("decode-speed")
 @dataclass(slots=True)
 class DecodeSpeedScorer:
-    """1.0 while an upstream's smoothed TPOT is at most `full_below` x `tpot_objective_s`, falling
-    linearly to 0.0 at the objective and beyond. Unknown (no snapshot, no TPOT reported, idle) is
-    neutral: 1.0. Weight it against `predicted-ttft` (0.6 in docs/benchmarks.md, "Decode speed in
-    placement"): the weight decides how slow a prefix holder must get before a request leaves it for
-    a cold prefill elsewhere."""
+    """1.0 while an upstream's smoothed TPOT is at most `full_below` x the objective, falling
+    linearly to 0.0 at the objective and beyond. The objective is the request's own (`x-llm-tpot-
+    slo-ms`, or its route's), else `tpot_objective_s`; with neither, every candidate scores 1.0.
+    Unknown (no snapshot, no TPOT reported, idle) is neutral: 1.0. Weight it against
+    `predicted-ttft` (0.6 in docs/benchmarks.md, "Decode speed in placement"): the weight decides
+    how slow a prefix holder must get before a request leaves it for a cold prefill elsewhere."""
 
-    tpot_objective_s: float = 0.0
+    tpot_objective_s: float | None = None
     full_below: float = 0.8
     window_s: float = DEFAULT_TPOT_WINDOW_S
     _tpot: SmoothedTpot = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.tpot_objective_s > 0:
-            raise ValueError("'tpot_objective_s' (seconds, > 0) is required")
+        if self.tpot_objective_s is not None and not self.tpot_objective_s > 0:
+            raise ValueError("'tpot_objective_s' must be a number of seconds above 0")
         if not 0.0 <= self.full_below < 1.0:
             raise ValueError(f"'full_below' must be within [0, 1), got {self.full_below}")
         self._tpot = SmoothedTpot(self.window_s)
@@ -104,6 +105,10 @@ class DecodeSpeedScorer:
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[float]:
         objective = self.tpot_objective_s
+        if request.tpot_slo_ms is not None:
+            objective = request.tpot_slo_ms / 1000.0
+        if objective is None:
+            return [1.0] * len(candidates)
         start = self.full_below * objective
         span = objective - start
         out = []

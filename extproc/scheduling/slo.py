@@ -1,4 +1,6 @@
-"""`slo-ttft`: keep the candidates predicted to meet the request's time-to-first-token objective.
+"""`slo-ttft` and `slo-tpot`: keep the candidates predicted to meet the request's objectives.
+
+`slo-ttft`, for the time to first token:
 
 A request opts in with an objective (`x-llm-ttft-slo-ms`, or the route's metadata); without one this
 filter passes everything through. With one, it asks the profile's `predicted-ttft` scorer for this
@@ -7,6 +9,13 @@ model) and keeps those within the objective. When none is, the request is shed a
 `slo_unattainable` (and Retry-After): a request that asked for a first token within 300 ms is better
 told now than served in 3 s. The predictions are only as good as `prefill_tokens_per_s`: set it to
 the GPUs' real prefill rate (docs/tuning.md).
+
+`slo-tpot`, for the time per output token (`x-llm-tpot-slo-ms`, or the route's metadata): keeps the
+candidates whose engines currently decode at or under the objective (their own inter-token latency
+from the snapshots, smoothed over `window_s` as admission's TPOT gate does: `SmoothedTpot`). An
+engine that reports no figure (idle, or no snapshot yet) is kept: nothing says it is slow. None
+kept: 429 `slo_unattainable`. The figure is the engine's TPOT now, not with this request added; a
+`margin` below 1 leaves room for the request's own effect on the batch.
 """
 
 from __future__ import annotations
@@ -17,9 +26,10 @@ from dataclasses import dataclass, field
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.openai.errors import slo_unattainable
+from extproc.scheduling.decode_speed import SmoothedTpot
 from extproc.scheduling.framework import FILTERS, FleetState, Profile
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
-from extproc.settings import ConfigError
+from extproc.settings import DEFAULT_TPOT_WINDOW_S, ConfigError
 
 
 @FILTERS.register("slo-ttft")
@@ -57,4 +67,41 @@ class SloTtftFilter:
         kept = [u for u, p in zip(candidates, predicted, strict=True) if p <= limit]
         if not kept:
             raise slo_unattainable(slo_ms, min(predicted) * 1000.0, self.retry_after_s)
+        return kept
+
+
+@FILTERS.register("slo-tpot")
+@dataclass(slots=True)
+class SloTpotFilter:
+    # Keep candidates whose smoothed TPOT is within objective x this (below 1: a safety margin).
+    margin: float = 1.0
+    window_s: float = DEFAULT_TPOT_WINDOW_S
+    retry_after_s: int = 1
+    _tpot: SmoothedTpot = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.margin > 0:
+            raise ValueError("'margin' must be positive")
+        if self.retry_after_s < 1:
+            raise ValueError("'retry_after_s' must be >= 1")
+        self._tpot = SmoothedTpot(self.window_s)  # checks window_s
+
+    def filter(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> Sequence[Upstream]:
+        slo_ms = request.tpot_slo_ms
+        if slo_ms is None or not candidates:
+            return candidates
+        limit = slo_ms / 1000.0 * self.margin
+        kept: list[Upstream] = []
+        best: float | None = None
+        for u, load in zip(candidates, state.loads_of(candidates), strict=True):
+            tpot = None if load is None else self._tpot.read(u.id, load)
+            if tpot is None or tpot <= limit:
+                kept.append(u)
+            elif best is None or tpot < best:
+                best = tpot
+        if not kept:
+            best_ms = None if best is None else best * 1000.0
+            raise slo_unattainable(slo_ms, best_ms, self.retry_after_s, measure="time per output token")
         return kept
