@@ -101,11 +101,12 @@ DEFAULT_BODY_TRIM_INTERVAL_S = 2.0
 # model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global
 # KV-usage cut-off: a busy engine that holds the prompt's prefix is often still the best place for it.
 # Chosen in the discrete-event mode over the robustness grid (docs/benchmarks.md).
-# `slo-ttft` and `slo-tpot` pass every request through unless it carries a TTFT objective
-# (x-llm-ttft-slo-ms) or a TPOT objective (x-llm-tpot-slo-ms).
+# `slo-ttft`, `slo-tpot` and `decode-speed` act only on requests that carry a TTFT objective
+# (x-llm-ttft-slo-ms) or a TPOT objective (x-llm-tpot-slo-ms): for others they change nothing.
+# decode-speed's 0.6: docs/benchmarks.md, "Decode speed in placement".
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": ["slo-ttft", "slo-tpot"],
-    "scorers": [{"name": "predicted-ttft", "weight": 1.0}],
+    "scorers": [{"name": "predicted-ttft", "weight": 1.0}, {"name": "decode-speed", "weight": 0.6}],
     "picker": "max-score",
 }
 # The profile before predicted-ttft (text-block prefix affinity, bounded by queue length, plus load

@@ -436,28 +436,30 @@ def publish_tpot(
     lc.view.rebuild()
 
 
-def tpot_lifecycle() -> RequestLifecycle:
-    profile = {"filters": ["slo-tpot"], "scorers": ["least-outstanding"]}
+def tpot_lifecycle(scorers: list[Any] | None = None) -> RequestLifecycle:
+    profile = {"filters": ["slo-tpot"], "scorers": scorers or ["least-outstanding"]}
     return lifecycle(view=True, scheduling={"profiles": {"default": profile}})
 
 
-async def test_slo_tpot_keeps_only_upstreams_that_decode_fast_enough() -> None:
-    lc = tpot_lifecycle()
+async def test_slo_tpot_does_not_narrow_and_decode_speed_steers() -> None:
+    """While one upstream decodes within the objective, the filter routes as usual (it never
+    narrows: measured, docs/benchmarks.md); `decode-speed`, reading the request's objective, steers."""
+    lc = tpot_lifecycle()  # no decode-speed: least-outstanding alone decides
     publish_tpot(lc, {"a": 0.15, "b": 0.05})
-    clusters = set()
-    for _ in range(6):
-        d = await lc.route_async(head(tpot="100"), BODY)  # held: least-outstanding alone would alternate
-        clusters.add(d.upstream.cluster)
+    clusters = {(await lc.route_async(head(tpot="100"), BODY)).upstream.cluster for _ in range(6)}
+    assert clusters == {"a", "b"}  # held requests alternate: not restricted to b
+    steered = tpot_lifecycle(["least-outstanding", {"name": "decode-speed", "weight": 2.0}])
+    publish_tpot(steered, {"a": 0.15, "b": 0.05})
+    clusters = {(await steered.route_async(head(tpot="100"), BODY)).upstream.cluster for _ in range(6)}
     assert clusters == {"b"}
-    plain = {(await lc.route_async(head(), BODY)).upstream.cluster for _ in range(6)}
-    assert plain == {"a"}  # no objective: not filtered (a has fewer in flight)
-    assert (await lc.route_async(head(tpot="200"), BODY)).upstream.cluster in {"a", "b"}
+    plain = {(await steered.route_async(head(), BODY)).upstream.cluster for _ in range(6)}
+    assert plain == {"a"}  # no objective: decode-speed adds nothing (a has fewer in flight)
 
 
 async def test_slo_tpot_sheds_when_no_upstream_decodes_fast_enough() -> None:
     lc = tpot_lifecycle()
     publish_tpot(lc, {"a": 0.15, "b": 0.12})
-    for priority in ("critical", "standard"):  # an objective the fleet cannot meet: any class
+    for priority in ("critical", "standard"):  # an objective it set itself: any class
         with pytest.raises(RequestError) as info:
             await lc.route_async(head(priority, tpot="100"), BODY)
         err = info.value
@@ -466,8 +468,9 @@ async def test_slo_tpot_sheds_when_no_upstream_decodes_fast_enough() -> None:
     assert count(lc, "critical", "shed", "slo_unattainable") == 1
     assert count(lc, "standard", "shed", "slo_unattainable") == 1
     assert await lc.route_async(head(), BODY)  # no objective: routed
+    assert await lc.route_async(head(tpot="130"), BODY)  # b meets 130 ms
     publish_tpot(lc, {"a": 0.15, "b": None}, running=0, at=0.5)  # b drained: idle, nothing says it is slow
-    assert (await lc.route_async(head(tpot="100"), BODY)).upstream.cluster == "b"
+    assert await lc.route_async(head(tpot="100"), BODY)
 
 
 async def test_slo_tpot_smooths_the_engines_figure() -> None:
@@ -475,10 +478,10 @@ async def test_slo_tpot_smooths_the_engines_figure() -> None:
     as admission's TPOT gate: over `window_s`, 2 s by default)."""
     lc = tpot_lifecycle()
     publish_tpot(lc, {"a": 0.15, "b": 0.05})
-    assert (await lc.route_async(head(tpot="100"), BODY)).upstream.cluster == "b"
+    assert await lc.route_async(head(tpot="100"), BODY)
     publish_tpot(lc, {"a": 0.15, "b": 0.3}, at=0.5)  # b: one 0.5 s interval at 300 ms
     # smoothed: 0.05 + (1 - exp(-0.25)) x 0.25 = 0.105 s: over 100 ms, under 110 ms
-    assert (await lc.route_async(head(tpot="110"), BODY)).upstream.cluster == "b"
+    assert await lc.route_async(head(tpot="110"), BODY)
     with pytest.raises(RequestError):
         await lc.route_async(head(tpot="100"), BODY)
 

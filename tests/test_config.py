@@ -12,6 +12,7 @@ from extproc.config import ServiceConfig, config_from_dict, load_config
 from extproc.fleet import ClusterSpec, InFlight, Lease, Pool, RoutingMode, Upstream, pool_from_config
 from extproc.fleet.pool import WILDCARD, parse_endpoint
 from extproc.scheduling import plugin_name
+from extproc.scheduling.decode_speed import DecodeSpeedScorer
 from extproc.scheduling.plugins import (
     LeastOutstandingScorer,
     MaxInflightFilter,
@@ -52,7 +53,7 @@ class TestConfigFromDict:
         assert cfg.headers == HeaderNames()
         assert cfg.pool.mode is RoutingMode.CLUSTER
         assert cfg.profile.name == "default"
-        assert [type(s) for s, _ in cfg.profile.scorers] == [PredictedTtftScorer]
+        assert [type(s) for s, _ in cfg.profile.scorers] == [PredictedTtftScorer, DecodeSpeedScorer]
         assert isinstance(cfg.profile.picker, MaxScorePicker)
 
     def test_cluster_routing_happy_path(self) -> None:
@@ -334,7 +335,10 @@ class TestLoadConfig:
         assert cfg.max_body_bytes == 16 * MIB
         assert cfg.grpc_max_message_bytes >= cfg.max_body_bytes + MIB
         assert cfg.profile.name == "default"
-        assert [(type(s), w) for s, w in cfg.profile.scorers] == [(PredictedTtftScorer, 1.0)]
+        assert [(plugin_name(s), w) for s, w in cfg.profile.scorers] == [
+            ("predicted-ttft", 1.0),
+            ("decode-speed", 0.6),
+        ]
         # no global KV-usage cut-off; slo-ttft / slo-tpot act only on requests with an objective
         assert [plugin_name(f) for f in cfg.profile.filters] == ["slo-ttft", "slo-tpot"]
         assert not cfg.admission.enabled and cfg.admission.max_wait_s < 2.0  # Envoy's message_timeout

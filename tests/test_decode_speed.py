@@ -64,7 +64,7 @@ def test_the_requests_own_objective_wins_and_without_any_every_score_is_neutral(
     asks_250ms = chat_request()
     asks_250ms.tpot_slo_ms = 250.0
     bare = DecodeSpeedScorer()  # no objective in the profile
-    assert bare.score(chat_request(), cands, state) == [1.0, 1.0, 1.0]
+    assert bare.score(chat_request(), cands, state) == [0.0, 0.0, 0.0]  # adds nothing to a total
     assert bare.score(asks_100ms, cands, state) == [1.0, pytest.approx(0.5), 0.0]
     fleet_objective = DecodeSpeedScorer(tpot_objective_s=0.1)
     # 250 ms: full below 200 ms, so only "slow" (at 200 ms) is at the edge and still 1.0
@@ -137,6 +137,7 @@ def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
     from extproc.lab.discrete_event.priorities import (
         DECODE_SPEED_ROW,
         TPOT_GATE_ROW,
+        TPOT_OBJECTIVE_ROW,
         BenchConfig,
         run_bench,
     )
@@ -148,6 +149,7 @@ def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
         "llm-extproc",
         DECODE_SPEED_ROW,
         TPOT_GATE_ROW,
+        TPOT_OBJECTIVE_ROW,
         "llm-extproc (no admission)",
         "round-robin",
     ]
@@ -157,3 +159,9 @@ def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
     assert result["checks"]["goodput_rps"] == rows["llm-extproc"]["goodput_rps"]
     gate = rows[TPOT_GATE_ROW]["classes"]
     assert gate["sheddable"]["shed"] > 0 and gate["critical"]["shed"] == 0
+    # every class carries the objective, so every class can be shed for it (and is, at 160 %)
+    asked = rows[TPOT_OBJECTIVE_ROW]["classes"]
+    assert all(asked[k]["shed"] > 0 for k in ("critical", "standard", "sheddable")), asked
+    assert result["checks_tpot_objective"]["critical_shed"] == asked["critical"]["shed"]
+    low = result["loads"]["0.5"]["policies"][TPOT_OBJECTIVE_ROW]
+    assert low["ok"] == 300  # at 50 %: no engine is slow, nothing is shed

@@ -23,6 +23,7 @@ from extproc.scheduling import (
     register,
     registered,
 )
+from extproc.scheduling.decode_speed import DecodeSpeedScorer
 from extproc.scheduling.plugins import (
     KvCacheUsageScorer,
     LeastOutstandingScorer,
@@ -554,7 +555,12 @@ class TestProfileFromConfig:
 
     def test_default_profile(self) -> None:
         profile = profile_from_config("default", DEFAULT_PROFILE)
-        assert [(type(s), w) for s, w in profile.scorers] == [(PredictedTtftScorer, 1.0)]
+        # decode-speed without an objective of its own: only for requests that carry one
+        assert [(type(s), w) for s, w in profile.scorers] == [
+            (PredictedTtftScorer, 1.0),
+            (DecodeSpeedScorer, 0.6),
+        ]
+        assert profile.scorers[1][0].tpot_objective_s is None  # type: ignore[attr-defined]
         # no-ops for requests without objectives
         assert [type(f) for f in profile.filters] == [SloTtftFilter, SloTpotFilter]
 

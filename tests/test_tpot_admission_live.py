@@ -5,8 +5,9 @@ The engines' inter-token latency reaches the service only through the publisher'
 - TPOT-aware admission (`admission.max_tpot_s`): while both engines decode slower than the setting,
   sheddable requests get 429 with Retry-After and critical ones are served; once decoding is fast
   again, sheddable requests are served.
-- A request's own TPOT objective (`x-llm-tpot-slo-ms`, the default profile's `slo-tpot`): it goes
-  only to an engine that decodes fast enough, and gets 429 `slo_unattainable` when none does."""
+- A request's own TPOT objective (`x-llm-tpot-slo-ms`; the default profile's `decode-speed` and
+  `slo-tpot`): it goes to the engine that decodes fast enough, and gets 429 `slo_unattainable` when
+  none does."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ async def asking(session: aiohttp.ClientSession, url: str, tpot_ms: str) -> tupl
 
 
 async def test_a_tpot_objective_routes_to_fast_engines_and_sheds_when_none_is(tmp_path: Path) -> None:
-    """The shipped default profile, no admission: a request with `x-llm-tpot-slo-ms` goes only to an
+    """The shipped default profile, no admission: a request with `x-llm-tpot-slo-ms` goes to the
     engine whose reported decode speed meets it; when none does it gets 429 `slo_unattainable`,
     while requests without an objective are still served."""
     group = EngineGroup([0.1, 0.004], MODEL)  # gpu-0: 100 ms per output token; gpu-1: 4 ms

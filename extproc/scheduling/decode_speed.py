@@ -84,8 +84,10 @@ class SmoothedTpot:
 class DecodeSpeedScorer:
     """1.0 while an upstream's smoothed TPOT is at most `full_below` x the objective, falling
     linearly to 0.0 at the objective and beyond. The objective is the request's own (`x-llm-tpot-
-    slo-ms`, or its route's), else `tpot_objective_s`; with neither, every candidate scores 1.0.
-    Unknown (no snapshot, no TPOT reported, idle) is neutral: 1.0. Weight it against
+    slo-ms`, or its route's), else `tpot_objective_s`; with neither, every candidate scores 0.0,
+    which adds nothing to any total (so it can sit in the default profile without moving a request
+    that set no objective, whatever the picker). With an objective, unknown (no snapshot, no TPOT
+    reported, idle) is neutral: 1.0. Weight it against
     `predicted-ttft` (0.6 in docs/benchmarks.md, "Decode speed in placement"): the weight decides
     how slow a prefix holder must get before a request leaves it for a cold prefill elsewhere."""
 
@@ -108,7 +110,7 @@ class DecodeSpeedScorer:
         if request.tpot_slo_ms is not None:
             objective = request.tpot_slo_ms / 1000.0
         if objective is None:
-            return [1.0] * len(candidates)
+            return [0.0] * len(candidates)
         start = self.full_below * objective
         span = objective - start
         out = []

@@ -10,12 +10,11 @@ model) and keeps those within the objective. When none is, the request is shed a
 told now than served in 3 s. The predictions are only as good as `prefill_tokens_per_s`: set it to
 the GPUs' real prefill rate (docs/tuning.md).
 
-`slo-tpot`, for the time per output token (`x-llm-tpot-slo-ms`, or the route's metadata): keeps the
-candidates whose engines currently decode at or under the objective (their own inter-token latency
-from the snapshots, smoothed over `window_s` as admission's TPOT gate does: `SmoothedTpot`). An
-engine that reports no figure (idle, or no snapshot yet) is kept: nothing says it is slow. None
-kept: 429 `slo_unattainable`. The figure is the engine's TPOT now, not with this request added; a
-`margin` below 1 leaves room for the request's own effect on the batch.
+`slo-tpot`, for the time per output token (`x-llm-tpot-slo-ms`, or the route's metadata): sheds the
+request with 429 `slo_unattainable` when no candidate's engines decode within the objective now
+(their own inter-token latency from the snapshots, smoothed over `window_s` as admission's TPOT gate
+does: `SmoothedTpot`); an engine that reports no figure (idle, or no snapshot yet) counts as
+within. It does not narrow the candidates: `decode-speed` steers the request (see the class).
 """
 
 from __future__ import annotations
@@ -73,7 +72,15 @@ class SloTtftFilter:
 @FILTERS.register("slo-tpot")
 @dataclass(slots=True)
 class SloTpotFilter:
-    # Keep candidates whose smoothed TPOT is within objective x this (below 1: a safety margin).
+    """Sheds a request with a TPOT objective when no candidate decodes within it; never narrows.
+
+    Narrowing to the candidates under the objective was measured and is much worse (docs/
+    benchmarks.md, "TPOT objectives per request"): the smoothed figure lags by seconds, so every
+    request with an objective lands on the few engines under it, which then slow down, and their
+    prefixes are left behind. Steering is `decode-speed`'s job (in the default profile: it reads
+    the request's objective)."""
+
+    # Shed when every candidate's smoothed TPOT is above objective x this.
     margin: float = 1.0
     window_s: float = DEFAULT_TPOT_WINDOW_S
     retry_after_s: int = 1
@@ -93,15 +100,12 @@ class SloTpotFilter:
         if slo_ms is None or not candidates:
             return candidates
         limit = slo_ms / 1000.0 * self.margin
-        kept: list[Upstream] = []
         best: float | None = None
         for u, load in zip(candidates, state.loads_of(candidates), strict=True):
             tpot = None if load is None else self._tpot.read(u.id, load)
             if tpot is None or tpot <= limit:
-                kept.append(u)
-            elif best is None or tpot < best:
+                return candidates  # one can: route as usual
+            if best is None or tpot < best:
                 best = tpot
-        if not kept:
-            best_ms = None if best is None else best * 1000.0
-            raise slo_unattainable(slo_ms, best_ms, self.retry_after_s, measure="time per output token")
-        return kept
+        best_ms = None if best is None else best * 1000.0
+        raise slo_unattainable(slo_ms, best_ms, self.retry_after_s, measure="time per output token")

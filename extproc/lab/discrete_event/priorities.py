@@ -7,13 +7,16 @@ critical, 50 % standard, 30 % sheddable; `workloads.with_priorities`) is run at 
 of the fleet's capacity against every reference policy and against llm-extproc with admission on (the
 service's own `Admission`: shed sheddable at saturation, queue standard fairly, admit critical); the
 same with the `decode-speed` scorer in its profile ("llm-extproc (+ decode-speed)") and with the TPOT
-gate (`max_tpot_s`, "llm-extproc (+ TPOT gate)"), both at the SLO's TPOT; and, for contrast, with
-admission off. Capacity is measured first, under the SLO: the highest arrival
-rate at which exact-ttft (greedy least TTFT from the engines' exact state) still serves 95 % of the
-requests within the SLO (bisection). Writes `priorities.json` and `priorities.md`.
+gate (`max_tpot_s`, "llm-extproc (+ TPOT gate)"), both at the SLO's TPOT; with every request
+carrying the SLO's TPOT as its own objective (`x-llm-tpot-slo-ms`, the default profile: "llm-extproc
+(TPOT objective per request)"); and, for contrast, with admission off. Capacity is measured first,
+under the SLO: the highest arrival rate at which exact-ttft (greedy least TTFT from the engines'
+exact state) still serves 95 % of the requests within the SLO (bisection). Writes `priorities.json`
+and `priorities.md`.
 
 The checks (printed and in the JSON), at 120 %, for llm-extproc with admission (and the same for the
-decode-speed row, `checks_decode_speed`):
+decode-speed row, `checks_decode_speed`, and the objective row, `checks_tpot_objective`, whose
+requests of every class may be shed for the objective they carry):
 - critical TTFT p99 <= 1.5 x its value at 50 %, over the whole run and after warm-up (the requests
   after the first `--warmup` share in arrival order, the same ones at every load: the run starts
   with every cache empty, and that cold start sets the whole-run tail);
@@ -53,22 +56,21 @@ BENCH_ADMISSION: dict[str, Any] = {"enabled": True, "max_predicted_wait_s": 0.15
 
 
 TPOT_GATE_ROW = "llm-extproc (+ TPOT gate)"
+TPOT_OBJECTIVE_ROW = "llm-extproc (TPOT objective per request)"
 DECODE_SPEED_ROW = "llm-extproc (+ decode-speed)"
 DECODE_SPEED_WEIGHT = 0.6  # against predicted-ttft's 1.0: docs/benchmarks.md, "Decode speed in placement"
 
 
 def decode_speed_profile(tpot_objective_s: float) -> dict[str, Any]:
-    """The default profile with the `decode-speed` scorer beside predicted-ttft."""
+    """The default profile with the `decode-speed` scorer given a fleet-wide objective (the default
+    profile's own acts only on requests that carry one)."""
     scorer = {
         "name": "decode-speed",
         "weight": DECODE_SPEED_WEIGHT,
         "params": {"tpot_objective_s": tpot_objective_s},
     }
-    return {
-        **DEFAULT_PROFILE,
-        "scorers": [*DEFAULT_PROFILE["scorers"], scorer],
-        "picker": SEEDED_PICKER,
-    }
+    others = [s for s in DEFAULT_PROFILE["scorers"] if s["name"] != "decode-speed"]
+    return {**DEFAULT_PROFILE, "scorers": [*others, scorer], "picker": SEEDED_PICKER}
 
 
 @dataclass(slots=True)
@@ -101,9 +103,11 @@ def _run(
     policy: str,
     admission: bool | dict[str, Any],
     profile: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> list[RequestRecord]:
     """`admission`: True for the bench's, a dict for another (llm-extproc only), False for none;
-    `profile`: llm-extproc's scheduling profile instead of the default one."""
+    `profile`: llm-extproc's scheduling profile instead of the default one; `headers`: added to
+    every request's own."""
     requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
     fleet = [PROFILES[cfg.profile]] * cfg.engines
     service: dict[str, Any] | None = None
@@ -117,7 +121,7 @@ def _run(
         policy,
         service=service,
         tokens=tokenize_requests(requests),
-        headers=wl.headers,
+        headers=wl.headers if not headers else [{**(h or {}), **headers} for h in wl.headers],
         publish_interval_s=cfg.publish_interval_s,
     )
     return run.records
@@ -211,22 +215,25 @@ def run_bench(
     runs: dict[str, dict[str, Any]] = {}
     # Admission as configured; the same with the `decode-speed` scorer beside predicted-ttft, and
     # with the TPOT gate instead (both at the SLO's TPOT: the scorer keeps one engine from decoding
-    # slower than the SLO at 120 %, the gate sheds at 160 %); none.
-    Row = tuple[str, str, bool | dict[str, Any], dict[str, Any] | None]
-    policies: list[Row] = [("llm-extproc", "llm-extproc", True, None)]
-    policies.append((DECODE_SPEED_ROW, "llm-extproc", True, decode_speed_profile(cfg.slo.tpot_s)))
+    # slower than the SLO at 120 %, the gate sheds at 160 %); the SLO's TPOT as every request's own
+    # objective (the default profile: `decode-speed` steers it, `slo-tpot` sheds it); none.
+    Row = tuple[str, str, bool | dict[str, Any], dict[str, Any] | None, dict[str, str] | None]
+    policies: list[Row] = [("llm-extproc", "llm-extproc", True, None, None)]
+    policies.append((DECODE_SPEED_ROW, "llm-extproc", True, decode_speed_profile(cfg.slo.tpot_s), None))
     if cfg.admission.get("max_tpot_s") is None:
         gated = {**cfg.admission, "max_tpot_s": cfg.slo.tpot_s}
-        policies.append((TPOT_GATE_ROW, "llm-extproc", gated, None))
-    policies.append(("llm-extproc (no admission)", "llm-extproc", False, None))
-    policies += [(p, p, False, None) for p in cfg.references]
+        policies.append((TPOT_GATE_ROW, "llm-extproc", gated, None, None))
+    objective = {"x-llm-tpot-slo-ms": f"{cfg.slo.tpot_s * 1000:g}"}
+    policies.append((TPOT_OBJECTIVE_ROW, "llm-extproc", True, None, objective))
+    policies.append(("llm-extproc (no admission)", "llm-extproc", False, None, None))
+    policies += [(p, p, False, None, None) for p in cfg.references]
     for load in cfg.loads:
         rate = capacity * load
         wl = _workload(cfg, rate)
         window = wl.duration_s
         per_load: dict[str, Any] = {}
-        for name, policy, admission, profile in policies:
-            records = _run(cfg, wl, policy, admission, profile)
+        for name, policy, admission, profile, headers in policies:
+            records = _run(cfg, wl, policy, admission, profile, headers)
             report = summarize(name, records, window, cfg.slo)
             per_load[name] = {
                 "goodput_rps": report.goodput_rps,
@@ -262,6 +269,8 @@ def run_bench(
         "checks": checks(runs, cfg),
         # The same for the profile with `decode-speed` (the SLO's TPOT as its objective).
         "checks_decode_speed": checks(runs, cfg, DECODE_SPEED_ROW),
+        # And with the SLO's TPOT as every request's own objective.
+        "checks_tpot_objective": checks(runs, cfg, TPOT_OBJECTIVE_ROW),
     }
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -349,6 +358,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _check_lines("llm-extproc with admission", result["checks"], c["warmup"])
     if "checks_decode_speed" in result:
         lines += _check_lines(DECODE_SPEED_ROW, result["checks_decode_speed"], c["warmup"])
+    if "checks_tpot_objective" in result:
+        lines += _check_lines(TPOT_OBJECTIVE_ROW, result["checks_tpot_objective"], c["warmup"])
     return "\n".join(lines)
 
 
