@@ -1,6 +1,7 @@
 """The tokenization stage in the request path: the service YAML names a tokenizer per model, the
 lifecycle tokenizes each chat with the model's template before scheduling, counts what it did, turns a
-template's rejection into a 400, and routes a 200 KB prompt without encoding it on the event loop."""
+template's rejection into a 400, and routes a 200 KB prompt without encoding or hashing it on the event
+loop."""
 
 from __future__ import annotations
 
@@ -125,6 +126,43 @@ async def test_a_200kb_prompt_is_encoded_off_the_event_loop(
         == lc.config.tokenizers.tokenize("llama", messages=[{"role": "user", "content": big}]).token_count
     )
     assert lc.config.tokenizers.cache_stats().entries > 0
+
+
+async def test_a_long_prompts_blocks_are_hashed_off_the_event_loop_and_used(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default profile's predicted-ttft hashes the prompt's token ids in 64-token blocks; for a
+    long prompt the lifecycle does that on a worker thread before scheduling, and the scorer uses
+    those hashes (here: it matches against them, not against hashes of its own)."""
+    from extproc.lifecycle import router
+    from extproc.scheduling import predicted_ttft
+    from extproc.tokenization import block_hashes
+
+    lc = lifecycle(model_dir)
+    threads: list[int] = []
+
+    def spy(ids: object, block: int, most: int | None = None) -> list[bytes]:
+        threads.append(threading.get_ident())
+        return block_hashes(ids, block, most)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(router, "block_hashes", spy)
+    scorer_hashed: list[int] = []
+
+    def scorer_spy(ids: object, block: int, most: int | None = None) -> list[bytes]:
+        scorer_hashed.append(block)
+        return block_hashes(ids, block, most)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(predicted_ttft, "block_hashes", scorer_spy)
+    big = "tokens for a long context window " * 6500  # ~210 KB, ~34k tokens
+    d = await lc.route_async(HEAD, chat("llama", big))
+    assert threads and threading.get_ident() not in threads
+    assert d.request.block_hashes is not None
+    block, hashes = d.request.block_hashes
+    assert block == 64 and hashes == block_hashes(d.request.prompt_token_ids or [], 64, 2048)
+    assert scorer_hashed == []  # the scorer used the request's hashes
+    short = await lc.route_async(HEAD, chat("llama", "a short question"))
+    assert short.request.block_hashes is None  # short: hashed in the decision, as before
+    assert len(threads) == 1
 
 
 def test_bad_tokenizer_config_is_a_config_error_naming_the_key(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ to tokenize a long prompt on a worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -33,9 +34,17 @@ from extproc.scheduling.explain import DecisionLog, Explanation, new_explanation
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.settings import FALLBACK_PROFILE
 from extproc.telemetry import Metrics
-from extproc.tokenization import ChatTemplateError, PromptTooLong, TokenizedPrompt, TokenizerRegistry
+from extproc.tokenization import (
+    ChatTemplateError,
+    PromptTooLong,
+    TokenizedPrompt,
+    TokenizerRegistry,
+    block_hashes,
+)
 
 log = logging.getLogger("extproc.lifecycle")
+# Hash a prompt's blocks on a worker thread from this many blocks (~2 us each: 0.5 ms of the loop).
+OFFLOAD_HASH_BLOCKS = 256
 
 
 @dataclass(slots=True)
@@ -196,6 +205,7 @@ class RequestLifecycle:
             except PromptTooLong as exc:
                 raise prompt_too_long(exc.max_model_len, exc.tokens, exact=exc.exact) from None
             self._tokenized(request, result)
+            await self._hash_long_prompt(request, profile or self.config.profile)
         waited = time.perf_counter()
         await self.admission.admit(request)
         started += time.perf_counter() - waited  # the decision time does not count the queue
@@ -209,6 +219,21 @@ class RequestLifecycle:
         return decision
 
     # -- tokenize --------------------------------------------------------------------------------
+    @staticmethod
+    async def _hash_long_prompt(request: InferenceRequest, profile: Profile) -> None:
+        """A long prompt's block hashes, for the profile's plugin that hashes blocks, on a worker
+        thread: a 200 KB prompt's 34k ids take ~1.1 ms to hash, which the event loop would otherwise
+        spend inside the decision (docs/benchmarks.md, "Tokenization on the request path")."""
+        spec = profile.hash_spec
+        ids = request.prompt_token_ids
+        if spec is None or not ids:
+            return
+        block, most = spec
+        if min(len(ids) // block, most) < OFFLOAD_HASH_BLOCKS:
+            return
+        hashes = await asyncio.to_thread(block_hashes, ids, block, most)
+        request.block_hashes = (block, hashes)
+
     def _registry(self) -> TokenizerRegistry:
         assert self.config.tokenizers is not None
         return self.config.tokenizers

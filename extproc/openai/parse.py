@@ -78,6 +78,9 @@ class InferenceRequest:
     """Chat messages as validated here: what the tokenization stage renders with the chat template."""
     prompt_tokens: int | None = None
     """Set by the tokenization stage: exact with a tokenizer, else None (plugins estimate)."""
+    block_hashes: tuple[int, list[bytes]] | None = None
+    """(block size, chained hashes of `prompt_token_ids`): a long prompt's, hashed off the event
+    loop before scheduling for the profile's plugins that hash blocks (`PromptHashing`)."""
     ttft_slo_ms: float | None = None
     """Time-to-first-token objective (client header, else the route's): the `slo-ttft` filter keeps
     candidates predicted to meet it and sheds the request (429) when none is. None: no objective."""
@@ -92,6 +95,7 @@ class InferenceRequest:
         self.prompt_text = ""
         self.messages = None
         self.prompt_token_ids = None
+        self.block_hashes = None
 
 
 def api_for_path(path: str) -> Api:

@@ -98,6 +98,17 @@ class ProfileBound(Protocol):
 
 
 @runtime_checkable
+class PromptHashing(Protocol):
+    """A plugin that hashes the prompt's token ids in blocks (`predicted-ttft`). For a long prompt
+    the lifecycle hashes them off the event loop before scheduling (`InferenceRequest.block_hashes`),
+    and the plugin uses those when the block size is its own."""
+
+    def prompt_hash_spec(self) -> tuple[int, int]:
+        """(tokens per block, the most blocks hashed)."""
+        ...
+
+
+@runtime_checkable
 class SharedPlugin(Protocol):
     """A plugin whose learned state replicas share (server/sync.py carries it through Redis), so N
     replicas behind one Envoy route as one: each publishes its own decisions, applies the others'.
@@ -222,6 +233,8 @@ class Profile:
     finish_hooks: tuple[FinishHook, ...] = field(init=False, default=())
     # Plugins replicas share, by a key stable across replicas with the same config ("<i>:<name>").
     shared: tuple[tuple[str, SharedPlugin], ...] = field(init=False, default=())
+    # What to hash a long prompt with before scheduling (PromptHashing), if any plugin wants it.
+    hash_spec: tuple[int, int] | None = field(init=False, default=None)
     _labels: tuple[tuple[str, ...], tuple[str, ...], str] = field(init=False, default=((), (), ""))
 
     def __post_init__(self) -> None:
@@ -231,6 +244,8 @@ class Profile:
         self.shared = tuple(
             (f"{i}:{plugin_name(p)}", p) for i, p in enumerate(plugins) if isinstance(p, SharedPlugin)
         )
+        hashing = [p for p in plugins if isinstance(p, PromptHashing)]
+        self.hash_spec = hashing[0].prompt_hash_spec() if hashing else None
         self._labels = (
             tuple(plugin_name(f) for f in self.filters),
             tuple(plugin_name(s) for s, _ in self.scorers),

@@ -175,13 +175,20 @@ class PredictedTtftScorer:
                 raise ValueError(f"'{name}' must be >= 0")
 
     # -- the request's blocks -----------------------------------------------------------------------
+    def prompt_hash_spec(self) -> tuple[int, int]:
+        return self.block_tokens, self.max_blocks
+
     def _predict(self, request: InferenceRequest) -> _Prediction:
         """Hashed once per request: score() and on_pick() of the same decision share it."""
         last = self._last
         if last.request is request:
             return last
         ids = request.prompt_token_ids
-        if ids:
+        held = request.block_hashes
+        if ids and held is not None and held[0] == self.block_tokens:  # hashed off the event loop
+            hashes = held[1][: self.max_blocks]
+            tokens = request.prompt_tokens or len(ids)
+        elif ids:
             hashes = block_hashes(ids, self.block_tokens, self.max_blocks)
             tokens = request.prompt_tokens or len(ids)
         else:
