@@ -486,6 +486,22 @@ async def test_slo_tpot_smooths_the_engines_figure() -> None:
         await lc.route_async(head(tpot="100"), BODY)
 
 
+async def test_slo_tpot_takes_in_every_candidates_snapshots() -> None:
+    """b's slow spell counts even while a, read first, was within the objective: every candidate's
+    figure is read on every decision (smoothing only takes in the snapshots it reads)."""
+    lc = tpot_lifecycle()
+    publish_tpot(lc, {"a": 0.05, "b": 0.3})
+    assert await lc.route_async(head(tpot="100"), BODY)
+    publish_tpot(lc, {"a": 0.05, "b": 0.3}, at=0.5)
+    assert await lc.route_async(head(tpot="100"), BODY)
+    publish_tpot(lc, {"a": 0.6, "b": 0.08}, at=1.0)
+    # a: 0.05 + (1 - exp(-0.25)) x 0.55 = 0.17 s; b: 0.3 + (1 - exp(-0.25)) x (0.08 - 0.3) = 0.25 s
+    # (read afresh, b would be 0.08 s: within)
+    with pytest.raises(RequestError) as info:
+        await lc.route_async(head(tpot="100"), BODY)
+    assert "the best predicted is" in info.value.message
+
+
 @pytest.mark.parametrize("params", [{"margin": 0}, {"window_s": 0}, {"retry_after_s": 0}, {"speed": 1}])
 def test_slo_tpot_bad_params(params: dict[str, Any]) -> None:
     profile = {"filters": [{"name": "slo-tpot", "params": params}], "scorers": ["least-outstanding"]}

@@ -101,11 +101,16 @@ class SloTpotFilter:
             return candidates
         limit = slo_ms / 1000.0 * self.margin
         best: float | None = None
+        within = False
+        # Every candidate is read, even once one is within: the smoothing takes in each snapshot
+        # only when it is read, so stopping early would leave the others' figures behind.
         for u, load in zip(candidates, state.loads_of(candidates), strict=True):
             tpot = None if load is None else self._tpot.read(u.id, load)
             if tpot is None or tpot <= limit:
-                return candidates  # one can: route as usual
-            if best is None or tpot < best:
+                within = True
+            elif best is None or tpot < best:
                 best = tpot
+        if within:
+            return candidates  # one can: route as usual
         best_ms = None if best is None else best * 1000.0
         raise slo_unattainable(slo_ms, best_ms, self.retry_after_s, measure="time per output token")
