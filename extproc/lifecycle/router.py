@@ -205,7 +205,7 @@ class RequestLifecycle:
             except PromptTooLong as exc:
                 raise prompt_too_long(exc.max_model_len, exc.tokens, exact=exc.exact) from None
             self._tokenized(request, result)
-            await self._hash_long_prompt(request, profile or self.config.profile)
+        await self._hash_long_prompt(request, profile or self.config.profile)
         waited = time.perf_counter()
         await self.admission.admit(request)
         started += time.perf_counter() - waited  # the decision time does not count the queue

@@ -85,8 +85,8 @@ class InferenceRequest:
     """Time-to-first-token objective (client header, else the route's): the `slo-ttft` filter keeps
     candidates predicted to meet it and sheds the request (429) when none is. None: no objective."""
     tpot_slo_ms: float | None = None
-    """Time-per-output-token objective (client header, else the route's): the `slo-tpot` filter keeps
-    candidates whose engines decode fast enough and sheds the request (429) when none does."""
+    """Time-per-output-token objective (client header, else the route's): `decode-speed` steers the
+    request toward engines decoding within it, `slo-tpot` sheds it (429) when none does."""
 
     def release_prompt(self) -> None:
         """Drop the prompt (text, messages, token ids) once the request is routed, so that a routed
