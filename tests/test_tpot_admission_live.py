@@ -23,7 +23,7 @@ import pytest
 
 from extproc.lab.bench.scenarios import MODEL, _n_cluster_gateway, start_publisher, wait_published
 from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import local_redis
+from extproc.lab.stack import LocalGateway, local_redis
 from extproc.publishers.publisher import InstanceSpec
 
 pytestmark = [
@@ -32,6 +32,27 @@ pytestmark = [
 ]
 
 ADMISSION = {"enabled": True, "max_tpot_s": 0.05, "tpot_window_s": 0.5, "retry_after_s": 1}
+
+
+async def start_stack(
+    tmp_path: Path, group: EngineGroup, stops: list[Any], service_extra: dict[str, Any] | None = None
+) -> LocalGateway:
+    """redis-server, Envoy + the service (one cluster per engine) and a publisher scraping the
+    engines every 0.25 s; how to stop each is appended to `stops`. Returns once both are published."""
+    redis, _ = local_redis(tmp_path / "redis.log")
+    stops.append(redis.stop)
+    clusters = {f"gpu-{i}": [p] for i, p in enumerate(group.ports)}
+    gw = _n_cluster_gateway(tmp_path, clusters, redis.url, None, service_extra=service_extra)
+    publisher = start_publisher(
+        redis.url,
+        [InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
+        stops,
+        interval_s=0.25,
+    )
+    gw.start()
+    stops.append(gw.stop)
+    await wait_published(publisher, 2)
+    return gw
 
 
 async def post(session: aiohttp.ClientSession, url: str, priority: str, tokens: int) -> tuple[int, Any]:
@@ -61,19 +82,7 @@ async def test_slow_decoding_sheds_sheddable_until_it_is_fast_again(tmp_path: Pa
     group = EngineGroup([0.1, 0.1], MODEL)  # 0.1 s per output token: twice the objective
     stops: list[Any] = [group.close]
     try:
-        redis, _ = local_redis(tmp_path / "redis.log")
-        stops.append(redis.stop)
-        clusters = {f"gpu-{i}": [p] for i, p in enumerate(group.ports)}
-        gw = _n_cluster_gateway(tmp_path, clusters, redis.url, None, service_extra={"admission": ADMISSION})
-        publisher = start_publisher(
-            redis.url,
-            [InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
-            stops,
-            interval_s=0.25,
-        )
-        gw.start()
-        stops.append(gw.stop)
-        await wait_published(publisher, 2)
+        gw = await start_stack(tmp_path, group, stops, {"admission": ADMISSION})
         async with aiohttp.ClientSession() as session:
             assert (await post(session, gw.url, "sheddable", 1))[0] == 200  # no TPOT reported yet
             headers = await until(session, gw.url, 429, timeout_s=20.0)
@@ -118,19 +127,7 @@ async def test_a_tpot_objective_routes_to_fast_engines_and_sheds_when_none_is(tm
     stops: list[Any] = [group.close]
     background: list[asyncio.Task[None]] = []
     try:
-        redis, _ = local_redis(tmp_path / "redis.log")
-        stops.append(redis.stop)
-        clusters = {f"gpu-{i}": [p] for i, p in enumerate(group.ports)}
-        gw = _n_cluster_gateway(tmp_path, clusters, redis.url, None)
-        publisher = start_publisher(
-            redis.url,
-            [InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim") for c, p in clusters.items()],
-            stops,
-            interval_s=0.25,
-        )
-        gw.start()
-        stops.append(gw.stop)
-        await wait_published(publisher, 2)
+        gw = await start_stack(tmp_path, group, stops)
         async with aiohttp.ClientSession() as session:
             # two background requests at a time per engine (gpu-1's short enough to end soon
             # after its slow spell below: 25 tokens, 2.5 s at 100 ms)
