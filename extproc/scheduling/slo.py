@@ -1,4 +1,4 @@
-"""`slo-ttft` and `slo-tpot`: keep the candidates predicted to meet the request's objectives.
+"""`slo-ttft` and `slo-tpot`: a request's own TTFT / TPOT objective, met where predicted, else 429.
 
 `slo-ttft`, for the time to first token:
 
