@@ -68,23 +68,31 @@ def _agreement(workload: str, blocks: int, rate: float, **params: object) -> dic
 
 
 @pytest.mark.parametrize(
-    ("workload", "blocks", "rate", "params", "min_exact"),
+    ("workload", "blocks", "rate", "params", "min_exact", "min_hit_or_miss"),
     [
         # 24 tenants x 1000-token prompts = 24k tokens of prefixes vs 9.6k of KV: constant eviction.
-        ("shared-prefix", 600, 1.5, {"tenants": 24, "system_tokens": 1000}, 0.75),
+        ("shared-prefix", 600, 1.5, {"tenants": 24, "system_tokens": 1000}, 0.75, 0.8),
         # Everything fits: the model must agree almost always.
-        ("shared-prefix", 4000, 1.5, {"tenants": 8, "system_tokens": 1000}, 0.95),
-        # Growing chats: each turn extends the last one's prefix, replies included.
-        ("multi-turn", 1200, 2.0, {"conversations": 12}, 0.85),
+        ("shared-prefix", 4000, 1.5, {"tenants": 8, "system_tokens": 1000}, 0.95, 0.99),
+        # Growing chats: each turn extends the last one's prefix, replies included. Brief pressure
+        # evicts a few blocks: the engine's a history's last ones, and the model must lose the same
+        # (tail first), not the history's first block, which ends the whole match (0.977 that way).
+        ("multi-turn", 1200, 2.0, {"conversations": 12}, 0.85, 0.99),
     ],
 )
 def test_cache_model_agrees_with_the_engine(
-    workload: str, blocks: int, rate: float, params: dict[str, object], min_exact: float
+    workload: str,
+    blocks: int,
+    rate: float,
+    params: dict[str, object],
+    min_exact: float,
+    min_hit_or_miss: float,
 ) -> None:
     got = _agreement(workload, blocks, rate, **params)
     print(f"\n{workload} blocks={blocks} rate={rate} {params}: {got}")
     assert got["requests"] > 200
     assert got["exact"] >= min_exact, got
+    assert got["hit_or_miss"] >= min_hit_or_miss, got
 
 
 def test_eviction_is_lru_and_pinned_blocks_stay() -> None:
@@ -93,12 +101,22 @@ def test_eviction_is_lru_and_pinned_blocks_stay() -> None:
     model.release(a)
     b = model.place([b"b1", b"b2"], 0)  # 4 used: a's blocks cached, b's pinned
     assert model.matched([b"a1", b"a2"]) == 2
-    c = model.place([b"c1"], 0)  # needs room: the LRU evictable block goes (a1), not pinned ones
-    assert model.matched([b"a1", b"a2"]) == 0
+    c = model.place([b"c1"], 0)  # needs room: the LRU evictable block goes, not pinned ones
+    assert model.matched([b"a1", b"a2"]) == 1  # a's tail (a2) went first, as an engine frees it
     assert model.matched([b"b1", b"b2"]) == 2
     model.release(b)
     model.release(c)
     assert model.used_blocks == 4
+
+
+def test_release_is_tail_first_so_a_prefix_is_eaten_from_its_end() -> None:
+    model = CacheModel(10)
+    model.release(model.place([b"p1", b"p2", b"p3", b"p4"], 2))
+    # 6 evictable (2 output, then p4..p1); 7 pinned need 3 of them: the output and p4.
+    model.place([b"q1", b"q2", b"q3", b"q4", b"q5", b"q6", b"q7"], 0)
+    assert model.matched([b"p1", b"p2", b"p3", b"p4"]) == 3
+    model.place([b"r1", b"r2"], 0)  # two more: p3, p2
+    assert model.matched([b"p1", b"p2", b"p3", b"p4"]) == 1
 
 
 def test_output_blocks_take_room_and_reset_forgets() -> None:
@@ -107,8 +125,10 @@ def test_output_blocks_take_room_and_reset_forgets() -> None:
     assert model.pinned_blocks == 4
     model.release(p)  # the two output blocks stay cached (anonymous), evictable
     assert model.used_blocks == 4 and model.pinned_blocks == 0
-    q = model.place([b"y1", b"y2", b"y3", b"y4"], 0)  # evicts the oldest: x1, x2 first
-    assert model.matched([b"x1"]) == 0
+    q = model.place([b"y1", b"y2", b"y3", b"y4"], 0)  # evicts two: the output blocks, x's tail
+    assert model.matched([b"x1", b"x2"]) == 2
+    model.place([b"z1"], 0)  # then x2
+    assert model.matched([b"x1", b"x2"]) == 1
     model.reset()
     assert model.used_blocks == 0
     model.release(q)  # placed before the reset: nothing to give back

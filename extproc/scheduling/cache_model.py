@@ -94,11 +94,21 @@ class CacheModel:
         return Placement(tuple(hashes), output_blocks, self.epoch)
 
     def release(self, placement: Placement) -> None:
-        """The request finished: its blocks stay cached, evictable, most recently used last."""
+        """The request finished: its blocks stay cached, evictable, most recently used last, and
+        tail first as the engines free them (vLLM frees a sequence's blocks in reverse; SGLang's radix
+        tree evicts leaves): its output, then its prompt from the last block to the first, so a
+        prefix is eaten from its end and its first blocks, the ones other prompts share, go last.
+        Freed head first, the model lost a prefix's first block before the rest and, since a match
+        stops at the first missing block, took the whole prefix for evicted while the engine still
+        held nearly all of it (docs/benchmarks.md, "Tail-first release in the cache model")."""
         if placement.epoch != self.epoch:
             return  # reset() since it was placed: those blocks are gone already
         pinned, evictable = self._pinned, self._evictable
-        for h in placement.hashes:
+        self._anonymous_pinned = max(0, self._anonymous_pinned - placement.output_blocks)
+        for _ in range(placement.output_blocks):
+            self._anonymous_serial += 1
+            evictable[self._anonymous_serial.to_bytes(9, "little")] = None  # 9 bytes: never a real hash
+        for h in reversed(placement.hashes):
             held = pinned.get(h)
             if held is None:
                 continue
@@ -107,10 +117,6 @@ class CacheModel:
             else:
                 del pinned[h]
                 evictable[h] = None
-        self._anonymous_pinned = max(0, self._anonymous_pinned - placement.output_blocks)
-        for _ in range(placement.output_blocks):
-            self._anonymous_serial += 1
-            evictable[self._anonymous_serial.to_bytes(9, "little")] = None  # 9 bytes: never a real hash
         self._evict()
 
     def resize(self, capacity_blocks: int) -> None:
