@@ -695,7 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_grid_options(
         p,
-        "run a robustness grid instead of one workload: smoke | default | full "
+        "run a robustness grid instead of one workload: smoke | default | full | report "
         "(cells, capacity and targets: docs/benchmarks.md); writes grid-NAME.json and .md under --out",
     )
     p.add_argument("--profiles", default="a10g-llama3-8b", help="GPU profile(s), cycled over the engines")

@@ -42,6 +42,17 @@ def test_grids_cover_every_dimension_value(name: str) -> None:
     assert len({c.name for c in cells}) == len(cells)
 
 
+def test_report_grid_is_off_the_grids_the_defaults_were_chosen_on() -> None:
+    cells = GRIDS["report"]
+    assert len(cells) == 6 and len({c.name for c in cells}) == 6
+    assert {c.workload for c in cells} == {"tenants", "chat"}
+    fields = ("engines", "fleet", "kv_prefixes", "tenants", "zipf", "prompt_tokens", "conversations", "load")
+    seen = {tuple(getattr(c, f) for f in fields) for c in GRIDS["default"]}
+    for cell in cells:
+        assert cell.engines == 6 and cell.kv_prefixes in (3, 5)
+        assert tuple(getattr(cell, f) for f in fields) not in seen
+
+
 def test_default_grid_is_one_factor_at_a_time_plus_corners() -> None:
     cells = GRIDS["default"]
     assert 24 <= len(cells) <= 40

@@ -21,7 +21,8 @@ A cell is one point of the grid. Its dimensions:
 
 Grids: ``smoke`` (3 cells, minutes), ``default`` (one factor at a time around a base cell of each
 workload, plus corners: every dimension value appears at least once), ``full`` (the cross product;
-hours, not meant for a laptop).
+hours, not meant for a laptop), ``report`` (6 cells shaped like issue 8's own report: 6 engines, KV
+for ~5 tenants' prompts or ~3 chats' histories; off the grids above, as a check on them).
 
 Targets (issue 8), evaluated per cell for `llm-extproc`:
 
@@ -187,6 +188,23 @@ def _full_grid() -> list[Cell]:
     return cells
 
 
+def _report_grid() -> list[Cell]:
+    """Cells shaped like the fleet of issue 8's report, which tried this router on engines and
+    workloads written apart from this repository: 6 engines whose KV holds ~5 of 48 tenants' 2k
+    prompts (or ~3 of 40 chats' histories), plus 16 tenants on the same engines. Its own engines are
+    not these; the shapes are, and none of them is a cell of the grids the defaults were chosen on."""
+    t = _vary(BASE_TENANTS, "r-t48-kv5-80", engines=6, kv_prefixes=5)
+    c = _vary(BASE_CHAT, "r-c40-kv3-80", engines=6, conversations=40, kv_prefixes=3)
+    return [
+        t,
+        _vary(t, "r-t48-kv5-95", load=0.95),
+        _vary(t, "r-t48-kv5-p1.5k-90", prompt_tokens=1500, load=0.9),
+        _vary(t, "r-t16-kv5-90", tenants=16, load=0.9),
+        c,
+        _vary(c, "r-c40-kv3-95", load=0.95),
+    ]
+
+
 LIVE_CELLS: dict[str, tuple[str, ...]] = {
     "smoke": ("t-base", "c-base"),
     "default": ("t-base", "t-kv-4", "t-tenants-200", "t-load-95", "t-mixed", "c-base", "c-load-95"),
@@ -201,6 +219,7 @@ GRIDS: dict[str, list[Cell]] = {
     ],
     "default": _default_grid(),
     "full": _full_grid(),
+    "report": _report_grid(),
 }
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
