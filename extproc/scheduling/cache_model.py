@@ -9,8 +9,10 @@ the units the engine uses:
 - capacity: `kv_blocks_total x block_size` tokens from the engine's snapshot, in index blocks of
   `block_tokens` tokens (several engine blocks: fewer hashes per request);
 - a routed request pins its prompt's blocks plus room for its output until it finishes;
-- a finished request's blocks become evictable, most recent last, and its output's blocks join them
-  (they take cache room too, and hold the next turn's history in a chat);
+- a finished request's blocks become evictable, most recent last, freed tail first as the engines
+  free them, and its output's blocks join them (they take cache room too); a later prompt that
+  contains the request's last prompt block (a chat's next turn, which resends the reply) holds the
+  reply's tokens in its own blocks, so the reply's blocks are dropped then, not counted twice;
 - eviction takes the least recently used evictable block when pinned + evictable exceed capacity;
 - `reset()` forgets everything (the engine restarted or changed readiness).
 
@@ -43,6 +45,9 @@ class CacheModel:
     _anonymous_pinned: int = 0  # output blocks of running requests (not hashable: not known yet)
     _anonymous_serial: int = 0
     epoch: int = 0  # bumped by reset(): placements made before it are released as no-ops
+    # A finished request's reply blocks by its prompt's last block: a later prompt that extends it
+    # (the next turn of a chat) holds those tokens in its own blocks, so the reply's go.
+    _replies: dict[bytes, list[bytes]] = field(default_factory=dict)
 
     @property
     def used_blocks(self) -> int:
@@ -82,6 +87,7 @@ class CacheModel:
     def place(self, hashes: Sequence[bytes], output_blocks: int) -> Placement:
         """A request was routed here: pin its prompt blocks (reusing cached ones) and its output room."""
         pinned, evictable = self._pinned, self._evictable
+        replies = self._replies
         for h in hashes:
             held = pinned.get(h)
             if held is not None:
@@ -89,6 +95,11 @@ class CacheModel:
             else:
                 evictable.pop(h, None)
                 pinned[h] = 1
+            if replies:
+                reply = replies.pop(h, None)
+                if reply is not None:
+                    for key in reply:
+                        evictable.pop(key, None)
         self._anonymous_pinned += output_blocks
         self._evict()
         return Placement(tuple(hashes), output_blocks, self.epoch)
@@ -105,9 +116,17 @@ class CacheModel:
             return  # reset() since it was placed: those blocks are gone already
         pinned, evictable = self._pinned, self._evictable
         self._anonymous_pinned = max(0, self._anonymous_pinned - placement.output_blocks)
+        reply = []
         for _ in range(placement.output_blocks):
             self._anonymous_serial += 1
-            evictable[self._anonymous_serial.to_bytes(9, "little")] = None  # 9 bytes: never a real hash
+            key = self._anonymous_serial.to_bytes(9, "little")  # 9 bytes: never a real hash
+            evictable[key] = None
+            reply.append(key)
+        if reply and placement.hashes:
+            replies = self._replies
+            replies[placement.hashes[-1]] = reply
+            if len(replies) > self.capacity_blocks:
+                del replies[next(iter(replies))]
         for h in reversed(placement.hashes):
             held = pinned.get(h)
             if held is None:
@@ -128,6 +147,7 @@ class CacheModel:
         self.epoch += 1
         self._pinned.clear()
         self._evictable.clear()
+        self._replies.clear()
         self._anonymous_pinned = 0
 
     def held(self) -> list[bytes]:
