@@ -143,7 +143,7 @@ def test_output_blocks_take_room_and_reset_forgets() -> None:
     assert model.pinned_blocks == 4
     model.release(p)  # the two output blocks stay cached (anonymous), evictable
     assert model.used_blocks == 4 and model.pinned_blocks == 0
-    q = model.place([b"y1", b"y2", b"y3", b"y4"], 0)  # evicts two: the output blocks, x's tail
+    q = model.place([b"y1", b"y2", b"y3", b"y4"], 0)  # evicts two: the output blocks (the tail)
     assert model.matched([b"x1", b"x2"]) == 2
     model.place([b"z1"], 0)  # then x2
     assert model.matched([b"x1", b"x2"]) == 1
