@@ -4,16 +4,18 @@ engine holding more hot tenants than it decodes for within the objective)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
-from builders import NOW, chat_request
+from builders import NOW, chat_request, instance_state
 
-from extproc.fleet import Load
+from extproc.fleet import ClusterSpec, FleetView, InFlight, Load, Pool, SchedulingState
+from extproc.fleet.tpot import SmoothedTpot
 from extproc.lab.bench.lora_latency import ModelState, up
 from extproc.lab.bench.lora_latency import ld as model_load
 from extproc.scheduling import build_scorer
-from extproc.scheduling.decode_speed import DecodeSpeedScorer, SmoothedTpot
+from extproc.scheduling.decode_speed import DecodeSpeedScorer
 from extproc.settings import ConfigError
 
 
@@ -23,20 +25,63 @@ def ld(**kw: Any) -> Load:
 
 def test_smoothing_weighs_intervals_by_time_and_forgets_an_idle_engine() -> None:
     tpot = SmoothedTpot(window_s=2.0)
-    assert tpot.read("a", ld(tpot_s=None)) is None  # nothing reported yet
-    assert tpot.read("a", ld(tpot_s=0.05)) == 0.05
-    assert tpot.read("a", ld(tpot_s=0.05)) == 0.05  # the same snapshot is read once
+    assert tpot.take("a", ld(tpot_s=None)) is None  # nothing reported yet
+    assert tpot.take("a", ld(tpot_s=0.05)) == 0.05
+    assert tpot.take("a", ld(tpot_s=0.05)) == 0.05  # the same snapshot is read once
     # 1 s later one interval read 0.45 s (a long prefill step): 0.05 + (1 - e^-0.5) x 0.4
-    assert tpot.read("a", ld(tpot_s=0.45, published_at=NOW + 1)) == pytest.approx(0.2074, abs=1e-4)
+    assert tpot.take("a", ld(tpot_s=0.45, published_at=NOW + 1)) == pytest.approx(0.2074, abs=1e-4)
     # running, no token in the interval: the last figure stands
-    assert tpot.read("a", ld(tpot_s=None, published_at=NOW + 1.5)) == pytest.approx(0.2074, abs=1e-4)
+    assert tpot.take("a", ld(tpot_s=None, published_at=NOW + 1.5)) == pytest.approx(0.2074, abs=1e-4)
     # a restart (new epoch) starts afresh
-    assert tpot.read("a", ld(tpot_s=0.03, published_at=NOW + 2, epoch=1)) == 0.03
+    assert tpot.take("a", ld(tpot_s=0.03, published_at=NOW + 2, epoch=1)) == 0.03
     # idle: forgotten, so nothing is slow there
-    assert tpot.read("a", ld(tpot_s=None, num_running=0, published_at=NOW + 3, epoch=1)) is None
-    assert tpot.read("a", ld(tpot_s=0.04, published_at=NOW + 4, epoch=1)) == 0.04
+    assert tpot.take("a", ld(tpot_s=None, num_running=0, published_at=NOW + 3, epoch=1)) is None
+    assert tpot.take("a", ld(tpot_s=0.04, published_at=NOW + 4, epoch=1)) == 0.04
     for bad in (float("nan"), float("inf"), -1.0):
-        assert tpot.read("b", ld(tpot_s=bad)) is None
+        assert tpot.take("b", ld(tpot_s=bad)) is None
+
+
+def test_the_fleet_view_smooths_every_snapshot_once_whoever_reads_when() -> None:
+    """The figure is the snapshots', not the readers': a reader that looks after every rebuild and
+    one that looks only at the end see the same value, and each window is its own."""
+    pool = Pool(clusters=(ClusterSpec("a", ("m",)),))
+    tpots = [0.05, 0.3, 0.06, 0.2, 0.08]
+
+    def run(read_each_rebuild: bool) -> tuple[float | None, float | None]:
+        clock = [NOW]
+        view = FleetView(pool, clock=lambda: clock[0])
+        state = SchedulingState(InFlight(), view)
+        assert state.smoothed_tpot("a", 2.0) is None  # nothing yet; the window is smoothed from now
+        for seq, tpot in enumerate(tpots, start=1):
+            t = NOW + seq
+            clock[0] = t
+            view.apply(
+                instance_state(
+                    "a/x",
+                    "a",
+                    None,
+                    num_running=4,
+                    tpot_s=tpot,
+                    sequence=seq,
+                    published_at=t,
+                    expires_at=t + 3.0,
+                )
+            )
+            view.rebuild()
+            if read_each_rebuild:
+                for _ in range(3):
+                    state.smoothed_tpot("a", 2.0)
+        return state.smoothed_tpot("a", 2.0), state.smoothed_tpot("a", 0.5)
+
+    eager, lazy = run(True), run(False)
+    assert eager[0] == lazy[0]
+    expected = tpots[0]
+    for tpot in tpots[1:]:
+        expected += (1 - math.exp(-1 / 2.0)) * (tpot - expected)
+    assert eager[0] == pytest.approx(expected)
+    # the 0.5 s window, first read at the end, starts from the last snapshot alone
+    assert eager[1] == lazy[1] == tpots[-1]
+    assert SchedulingState(InFlight(), None).smoothed_tpot("a", 2.0) is None  # static pool
 
 
 def test_score_falls_from_full_below_to_zero_at_the_objective_and_unknown_is_neutral() -> None:

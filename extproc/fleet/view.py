@@ -25,6 +25,7 @@ from extproc.fleet.accounting import InFlight, RemoteInFlight
 from extproc.fleet.gpus import gpu_speed
 from extproc.fleet.pool import Pool, RoutingMode, Upstream
 from extproc.fleet.snapshots import InstanceState
+from extproc.fleet.tpot import SmoothedTpot
 from extproc.settings import FORGET_AFTER_S, STALE_READY_GRACE_TTLS
 
 
@@ -135,6 +136,7 @@ class FleetView:
         self._stale_ready: dict[str, tuple[Upstream, ...]] = {}
         self._fresh_models: frozenset[str] = frozenset()
         self._loads: dict[str, Load] = {}
+        self._tpot: dict[float, SmoothedTpot] = {}  # by smoothing window, each fed every rebuild
         self.dirty = False
         self.counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
         self.stale_ready_decisions = 0  # candidates() answers served from the stale-READY grace
@@ -227,6 +229,8 @@ class FleetView:
         self._stale_ready = {m: tuple(upstreams[k] for k in keys) for m, keys in late_by_model.items()}
         self._fresh_models = frozenset(fresh_models)
         self._loads = loads
+        for smoothed in self._tpot.values():
+            smoothed.take_all(loads)
         self.counts = counts
         self.dirty = False
 
@@ -295,6 +299,16 @@ class FleetView:
 
     def serves(self, model: str) -> bool:
         return model in self._fresh_models
+
+    def smoothed_tpot(self, upstream_id: str, window_s: float) -> float | None:
+        """The engines' TPOT there smoothed over `window_s` (fleet/tpot.py), as of the last rebuild; None
+        while nothing is known. A window is smoothed from its first read on, with every rebuild's
+        snapshots, whoever reads it and however often (readers name a few fixed windows)."""
+        smoothed = self._tpot.get(window_s)
+        if smoothed is None:
+            smoothed = self._tpot[window_s] = SmoothedTpot(window_s)
+            smoothed.take_all(self._loads)
+        return smoothed.value(upstream_id)
 
     def instances(self) -> dict[str, InstanceState]:
         return self._instances
@@ -426,6 +440,9 @@ class SchedulingState:
 
     def now(self) -> float:
         return self.view.clock() if self.view is not None else time.time()
+
+    def smoothed_tpot(self, upstream_id: str, window_s: float) -> float | None:
+        return self.view.smoothed_tpot(upstream_id, window_s) if self.view is not None else None
 
     def pending(self, upstream_id: str) -> int:
         """Requests the engines' figures do not include yet: how far the in-flight count there (this

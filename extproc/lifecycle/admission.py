@@ -9,7 +9,7 @@ process has in flight there (the only signal without snapshots) and, when `max_p
 set, a predicted prefill queue below it (the default profile's `predicted-ttft` model: engines admit
 requests into their running batch at once and prefill them in chunks, so their waiting count misses
 most of a prefill backlog) and, when `max_tpot_s` is set, a time per output token below it (the
-engines' own, smoothed: `scheduling.decode_speed.SmoothedTpot`; at deep overload it is decode speed,
+engines' own, as the fleet view smooths it: `fleet.tpot.SmoothedTpot`; at deep overload it is decode speed,
 not the prefill queue, that decides whether requests meet their objective). Then:
 
 - sheddable: 429 `saturated` with Retry-After, at once;
@@ -40,7 +40,6 @@ from extproc.openai import InferenceRequest, RequestError
 from extproc.openai.errors import shed
 from extproc.openai.parse import PRIORITY_NAMES, parse_slo_ms
 from extproc.scheduling import FleetState
-from extproc.scheduling.decode_speed import SmoothedTpot
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
     PRIORITY_METADATA_KEY,
@@ -236,7 +235,6 @@ class Admission:
         "_granted",
         "_queued",
         "_queues",
-        "_tpot",
         "backlog",
         "clock",
         "metrics",
@@ -262,7 +260,6 @@ class Admission:
         self._queues: dict[str, FairQueue] = {}
         self._granted: dict[str, int] = {}  # woken waiters not yet scheduled, per model
         self._queued = 0
-        self._tpot = SmoothedTpot(settings.tpot_window_s)  # for max_tpot_s
 
     # -- the signal ------------------------------------------------------------------------------
     def room(self, model: str) -> float:
@@ -293,7 +290,7 @@ class Admission:
             if s.max_kv_usage is not None and load.kv_cache_usage >= s.max_kv_usage:
                 return 0.0
         if predicted and s.max_tpot_s is not None and load is not None:
-            tpot = self._tpot.read(u.id, load)
+            tpot = state.smoothed_tpot(u.id, s.tpot_window_s)
             if tpot is not None and tpot >= s.max_tpot_s:
                 return 0.0
         if predicted and s.max_predicted_wait_s is not None and self.backlog is not None:

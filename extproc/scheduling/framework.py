@@ -51,6 +51,12 @@ class FleetState(Protocol):
         pre-selection): a superset of where kv_blocks() shows it; empty without KV events."""
         ...
 
+    def smoothed_tpot(self, upstream_id: str, window_s: float) -> float | None:
+        """The engines' time per output token there, smoothed over `window_s` of snapshot time once
+        per snapshot (the same figure for every reader), or None while nothing is known (no report,
+        idle, no fresh snapshot)."""
+        ...
+
     def now(self) -> float:
         """The fleet's clock (unix seconds; virtual time in the discrete-event mode), the one snapshots'
         `published_at` is measured on."""

@@ -12,9 +12,10 @@ the GPUs' real prefill rate (docs/tuning.md).
 
 `slo-tpot`, for the time per output token (`x-llm-tpot-slo-ms`, or the route's metadata): sheds the
 request with 429 `slo_unattainable` when no candidate's engines decode within the objective now
-(their own inter-token latency from the snapshots, smoothed over `window_s` as admission's TPOT gate
-does: `SmoothedTpot`); an engine that reports no figure (idle, or no snapshot yet) counts as
-within. It does not narrow the candidates: `decode-speed` steers the request (see the class).
+(their own inter-token latency from the snapshots, smoothed over `window_s` by the fleet view:
+fleet/tpot.py, the figure admission's TPOT gate reads); an engine that reports no figure (idle, or
+no snapshot yet) counts as within. It does not narrow the candidates: `decode-speed` steers the
+request (see the class).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.openai.errors import slo_unattainable
-from extproc.scheduling.decode_speed import SmoothedTpot
 from extproc.scheduling.framework import FILTERS, FleetState, Profile
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.settings import DEFAULT_TPOT_WINDOW_S, ConfigError
@@ -82,16 +82,16 @@ class SloTpotFilter:
 
     # Shed when every candidate's smoothed TPOT is above objective x this.
     margin: float = 1.0
-    window_s: float = DEFAULT_TPOT_WINDOW_S
+    window_s: float = DEFAULT_TPOT_WINDOW_S  # the smoothing's time constant (fleet/tpot.py)
     retry_after_s: int = 1
-    _tpot: SmoothedTpot = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.margin > 0:
             raise ValueError("'margin' must be positive")
         if self.retry_after_s < 1:
             raise ValueError("'retry_after_s' must be >= 1")
-        self._tpot = SmoothedTpot(self.window_s)  # checks window_s
+        if not self.window_s > 0:
+            raise ValueError(f"'window_s' must be a number of seconds above 0, got {self.window_s}")
 
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -102,13 +102,12 @@ class SloTpotFilter:
         limit = slo_ms / 1000.0 * self.margin
         best: float | None = None
         within = False
-        # Every candidate is read, even once one is within: the smoothing takes in each snapshot
-        # only when it is read, so stopping early would leave the others' figures behind.
         for u, load in zip(candidates, state.loads_of(candidates), strict=True):
-            tpot = None if load is None else self._tpot.read(u.id, load)
+            tpot = None if load is None else state.smoothed_tpot(u.id, self.window_s)
             if tpot is None or tpot <= limit:
                 within = True
-            elif best is None or tpot < best:
+                break
+            if best is None or tpot < best:
                 best = tpot
         if within:
             return candidates  # one can: route as usual

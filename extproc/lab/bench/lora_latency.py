@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.fleet import Load, Upstream
+from extproc.fleet.tpot import SmoothedTpot
 from extproc.fleet.view import KvHeld
 from extproc.openai import Api, InferenceRequest
 from extproc.scheduling import profile_from_config
@@ -66,6 +67,11 @@ class ModelState:
 
     def now(self) -> float:
         return self.t
+
+    def smoothed_tpot(self, upstream_id: str, window_s: float) -> float | None:
+        """Each load as it stands (a fixed table has no snapshot history to smooth)."""
+        load = self.loads.get(upstream_id)
+        return None if load is None else SmoothedTpot(window_s).take(upstream_id, load)
 
 
 def ld(**kw: Any) -> Load:
