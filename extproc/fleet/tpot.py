@@ -12,7 +12,7 @@ from typing import Protocol
 from extproc.settings import DEFAULT_TPOT_WINDOW_S
 
 
-class Load(Protocol):
+class TpotReport(Protocol):
     """What is read of `fleet.view.Load` (a protocol: the view imports this module)."""
 
     @property
@@ -63,11 +63,11 @@ class SmoothedTpot:
         seen = self._seen.get(upstream_id)
         return None if seen is None else seen.value
 
-    def take_all(self, loads: Mapping[str, Load]) -> None:
+    def take_all(self, loads: Mapping[str, TpotReport]) -> None:
         for upstream_id, load in loads.items():
             self.take(upstream_id, load)
 
-    def take(self, upstream_id: str, load: Load) -> float | None:
+    def take(self, upstream_id: str, load: TpotReport) -> float | None:
         """Take in `load`'s snapshot unless already taken; the figure after it (as value())."""
         seen = self._seen.get(upstream_id)
         if seen is not None and seen.epoch != load.epoch:  # restarted: what it was is gone

@@ -101,15 +101,11 @@ class SloTpotFilter:
             return candidates
         limit = slo_ms / 1000.0 * self.margin
         best: float | None = None
-        within = False
         for u, load in zip(candidates, state.loads_of(candidates), strict=True):
             tpot = None if load is None else state.smoothed_tpot(u.id, self.window_s)
             if tpot is None or tpot <= limit:
-                within = True
-                break
+                return candidates  # one can: route as usual
             if best is None or tpot < best:
                 best = tpot
-        if within:
-            return candidates  # one can: route as usual
         best_ms = None if best is None else best * 1000.0
         raise slo_unattainable(slo_ms, best_ms, self.retry_after_s, measure="time per output token")
