@@ -468,7 +468,9 @@ async def test_slo_tpot_sheds_when_no_upstream_decodes_fast_enough() -> None:
     assert count(lc, "critical", "shed", "slo_unattainable") == 1
     assert count(lc, "standard", "shed", "slo_unattainable") == 1
     assert await lc.route_async(head(), BODY)  # no objective: routed
-    assert await lc.route_async(head(tpot="130"), BODY)  # b meets 130 ms
+    assert await lc.route_async(head(tpot="140"), BODY)  # b within 0.9 x 140 ms (the margin)
+    with pytest.raises(RequestError):
+        await lc.route_async(head(tpot="130"), BODY)  # within 130 ms, not within 0.9 x 130
     publish_tpot(lc, {"a": 0.15, "b": None}, running=0, at=0.5)  # b drained: idle, nothing says it is slow
     assert await lc.route_async(head(tpot="100"), BODY)
 
@@ -480,8 +482,8 @@ async def test_slo_tpot_smooths_the_engines_figure() -> None:
     publish_tpot(lc, {"a": 0.15, "b": 0.05})
     assert await lc.route_async(head(tpot="100"), BODY)
     publish_tpot(lc, {"a": 0.15, "b": 0.3}, at=0.5)  # b: one 0.5 s interval at 300 ms
-    # smoothed: 0.05 + (1 - exp(-0.25)) x 0.25 = 0.105 s: over 100 ms, under 110 ms
-    assert await lc.route_async(head(tpot="110"), BODY)
+    # smoothed: 0.05 + (1 - exp(-0.25)) x 0.25 = 0.105 s: over 0.9 x 100 ms, under 0.9 x 120 ms
+    assert await lc.route_async(head(tpot="120"), BODY)
     with pytest.raises(RequestError):
         await lc.route_async(head(tpot="100"), BODY)
 

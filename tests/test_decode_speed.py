@@ -84,6 +84,64 @@ def test_the_fleet_view_smooths_every_snapshot_once_whoever_reads_when() -> None
     assert SchedulingState(InFlight(), None).smoothed_tpot("a", 2.0) is None  # static pool
 
 
+def test_the_running_batch_is_smoothed_with_the_figure() -> None:
+    tpot = SmoothedTpot(window_s=2.0)
+    assert tpot.running("a") is None
+    tpot.take("a", ld(tpot_s=0.05, num_running=4))
+    assert tpot.running("a") == 4
+    tpot.take("a", ld(tpot_s=0.09, num_running=12, published_at=NOW + 1))
+    assert tpot.running("a") == pytest.approx(4 + (1 - math.exp(-0.5)) * 8)
+    tpot.take("a", ld(tpot_s=None, num_running=0, published_at=NOW + 2))  # idle: forgotten with it
+    assert tpot.running("a") is None
+
+
+def test_the_figure_is_scaled_to_the_batch_there_now() -> None:
+    """Two engines that decoded at the same 70 ms: one has since been sent as many requests again as
+    it ran (or its latest snapshot shows them), so half its TPOT (`batch_share`) doubles: 105 ms,
+    over the objective. Without the scaling both look the same, and the one that just came under the
+    objective would take every request until the smoothed figure caught up."""
+    pool = Pool(clusters=(ClusterSpec("a", ("m",)), ClusterSpec("b", ("m",)), ClusterSpec("c", ("m",))))
+    view = FleetView(pool, clock=lambda: NOW)
+    inflight = InFlight()
+    state = SchedulingState(inflight, view)
+    scorer = DecodeSpeedScorer(tpot_objective_s=0.1)
+    cands = [up("a"), up("b"), up("c")]
+
+    def publish(seq: int, running: dict[str, int], at: float) -> None:
+        for cluster, n in running.items():
+            view.apply(
+                instance_state(
+                    f"{cluster}/x",
+                    cluster,
+                    None,
+                    num_running=n,
+                    tpot_s=0.07,
+                    sequence=seq,
+                    published_at=NOW + at,
+                    expires_at=NOW + at + 3.0,
+                )
+            )
+        view.rebuild()
+
+    publish(1, {"a": 4, "b": 4, "c": 4}, 0.0)
+    assert scorer.score(chat_request(), cands, state) == [1.0, 1.0, 1.0]
+    assert state.smoothed_running("a", 2.0) == 4
+    for _ in range(4):
+        inflight.acquire(cands[0])  # sent since the snapshot
+    assert scorer.score(chat_request(), cands, state) == [0.0, 1.0, 1.0]  # 0.07 x (1 + 0.5 x 1)
+    assert DecodeSpeedScorer(tpot_objective_s=0.1, batch_share=0.0).score(chat_request(), cands, state) == [
+        1.0,
+        1.0,
+        1.0,
+    ]
+    # 10 ms later the snapshots show a's 8 (none pending now) and 6 on c, where the smoothed figure
+    # was measured on ~4
+    publish(2, {"a": 8, "b": 4, "c": 6}, 0.01)
+    expected_on = 4 + (1 - math.exp(-0.01 / 2.0)) * 2
+    c_now = 0.07 * (1 + 0.5 * (6 / expected_on - 1))  # ~87 ms: between 80 (full) and 100 (zero)
+    assert scorer.score(chat_request(), cands, state) == [0.0, 1.0, pytest.approx((0.1 - c_now) / 0.02)]
+
+
 def test_score_falls_from_full_below_to_zero_at_the_objective_and_unknown_is_neutral() -> None:
     state = ModelState(
         {
@@ -124,6 +182,8 @@ def test_the_requests_own_objective_wins_and_without_any_every_score_is_neutral(
         {"tpot_objective_s": 0},
         {"tpot_objective_s": 0.1, "full_below": 1.0},
         {"tpot_objective_s": 0.1, "window_s": 0},
+        {"tpot_objective_s": 0.1, "batch_share": 1.5},
+        {"tpot_objective_s": 0.1, "batch_share": -0.1},
     ],
 )
 def test_bad_params(params: dict[str, Any]) -> None:

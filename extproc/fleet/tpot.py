@@ -35,6 +35,7 @@ class _Smoothed:
     published_at: float  # of the last snapshot taken in
     epoch: int
     value: float
+    running: float  # num_running smoothed the same way: the batch `value` was measured on
 
 
 class SmoothedTpot:
@@ -63,6 +64,12 @@ class SmoothedTpot:
         seen = self._seen.get(upstream_id)
         return None if seen is None else seen.value
 
+    def running(self, upstream_id: str) -> float | None:
+        """The engines' running requests smoothed alongside (same weights), so a reader can tell how
+        far the batch has grown or shrunk since the figure was measured; None with no figure."""
+        seen = self._seen.get(upstream_id)
+        return None if seen is None else seen.running
+
     def take_all(self, loads: Mapping[str, TpotReport]) -> None:
         for upstream_id, load in loads.items():
             self.take(upstream_id, load)
@@ -87,9 +94,11 @@ class SmoothedTpot:
         if seen is None:
             if len(self._seen) >= MAX_TRACKED_UPSTREAMS:
                 self._seen.clear()
-            self._seen[upstream_id] = _Smoothed(load.published_at, load.epoch, tpot)
+            self._seen[upstream_id] = _Smoothed(load.published_at, load.epoch, tpot, load.num_running)
             return tpot
         dt = max(0.0, load.published_at - seen.published_at)
-        seen.value += (1.0 - math.exp(-dt / self.window_s)) * (tpot - seen.value)
+        weight = 1.0 - math.exp(-dt / self.window_s)
+        seen.value += weight * (tpot - seen.value)
+        seen.running += weight * (load.num_running - seen.running)
         seen.published_at = load.published_at
         return seen.value

@@ -304,11 +304,18 @@ class FleetView:
         """The engines' TPOT there smoothed over `window_s` (fleet/tpot.py), as of the last rebuild; None
         while nothing is known. A window is smoothed from its first read on, with every rebuild's
         snapshots, whoever reads it and however often (readers name a few fixed windows)."""
+        return self._smoothing(window_s).value(upstream_id)
+
+    def smoothed_running(self, upstream_id: str, window_s: float) -> float | None:
+        """The running requests behind smoothed_tpot(), smoothed with it; None where it is None."""
+        return self._smoothing(window_s).running(upstream_id)
+
+    def _smoothing(self, window_s: float) -> SmoothedTpot:
         smoothed = self._tpot.get(window_s)
         if smoothed is None:
             smoothed = self._tpot[window_s] = SmoothedTpot(window_s)
             smoothed.take_all(self._loads)
-        return smoothed.value(upstream_id)
+        return smoothed
 
     def instances(self) -> dict[str, InstanceState]:
         return self._instances
@@ -443,6 +450,9 @@ class SchedulingState:
 
     def smoothed_tpot(self, upstream_id: str, window_s: float) -> float | None:
         return self.view.smoothed_tpot(upstream_id, window_s) if self.view is not None else None
+
+    def smoothed_running(self, upstream_id: str, window_s: float) -> float | None:
+        return self.view.smoothed_running(upstream_id, window_s) if self.view is not None else None
 
     def pending(self, upstream_id: str) -> int:
         """Requests the engines' figures do not include yet: how far the in-flight count there (this

@@ -8,6 +8,13 @@ a TPOT p90 of 103-140 ms for the whole run while the others ran at ~60 ms, and a
 requests missed a 100 ms objective. `decode-speed` scores such an engine down, so new and moved
 placements go where tokens come fast enough; weighted against `predicted-ttft`, a request still
 stays with its prefix unless its holder is close to the objective.
+
+The smoothed figure lags the batch it was measured on by seconds. Read as it stands, the one engine
+that has just come under the objective after a spell of shedding scores alone above 0 and takes
+every request until it is over again (docs/benchmarks.md, "Smoothing in the fleet view"). So the
+figure is scaled to the batch there now: `batch_share` of it grows with the running requests
+(those in the latest snapshot plus those sent since, over the batch the figure was measured on),
+the rest is the fixed cost of a decode step (reading the weights).
 """
 
 from __future__ import annotations
@@ -24,18 +31,23 @@ from extproc.settings import DEFAULT_TPOT_WINDOW_S
 @SCORERS.register("decode-speed")
 @dataclass(slots=True)
 class DecodeSpeedScorer:
-    """1.0 while an upstream's smoothed TPOT is at most `full_below` x the objective, falling
-    linearly to 0.0 at the objective and beyond. The objective is the request's own (`x-llm-tpot-
-    slo-ms`, or its route's), else `tpot_objective_s`; with neither, every candidate scores 0.0,
-    which adds nothing to any total (so it can sit in the default profile without moving a request
-    that set no objective, whatever the picker). With an objective, unknown (no snapshot, no TPOT
-    reported, idle) is neutral: 1.0. Weight it against
+    """1.0 while an upstream's TPOT is at most `full_below` x the objective, falling linearly to 0.0
+    at the objective and beyond; the TPOT is the fleet view's smoothed figure scaled to the batch
+    there now (`batch_share`, above; 0 reads the figure as it stands). The objective is the
+    request's own (`x-llm-tpot-slo-ms`, or its route's), else `tpot_objective_s`; with neither,
+    every candidate scores 0.0, which adds nothing to any total (so it can sit in the default
+    profile without moving a request that set no objective, whatever the picker). With an
+    objective, unknown (no snapshot, no TPOT reported, idle) is neutral: 1.0. Weight it against
     `predicted-ttft` (0.6 in docs/benchmarks.md, "Decode speed in placement"): the weight decides
     how slow a prefix holder must get before a request leaves it for a cold prefill elsewhere."""
 
     tpot_objective_s: float | None = None
     full_below: float = 0.8
     window_s: float = DEFAULT_TPOT_WINDOW_S  # the smoothing's time constant (fleet/tpot.py)
+    # The share of TPOT that grows with the running batch: ~0.6 for an 8B model on an A10G at the
+    # batch where TPOT nears 100 ms (a 35 ms weight read per step); 0.5 chosen on the priorities
+    # bench, 16 seeds (docs/benchmarks.md, "Room for the requests sent since").
+    batch_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.tpot_objective_s is not None and not self.tpot_objective_s > 0:
@@ -44,6 +56,8 @@ class DecodeSpeedScorer:
             raise ValueError(f"'full_below' must be within [0, 1), got {self.full_below}")
         if not self.window_s > 0:
             raise ValueError(f"'window_s' must be a number of seconds above 0, got {self.window_s}")
+        if not 0.0 <= self.batch_share <= 1.0:
+            raise ValueError(f"'batch_share' must be within [0, 1], got {self.batch_share}")
 
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -55,9 +69,15 @@ class DecodeSpeedScorer:
             return [0.0] * len(candidates)
         start = self.full_below * objective
         span = objective - start
+        share = self.batch_share
         out = []
         for u, load in zip(candidates, state.loads_of(candidates), strict=True):
             tpot = None if load is None else state.smoothed_tpot(u.id, self.window_s)
+            if tpot is not None and share > 0.0 and load is not None:
+                measured_on = state.smoothed_running(u.id, self.window_s)
+                if measured_on:
+                    now = load.num_running + state.pending(u.id)
+                    tpot *= 1.0 + share * (now / measured_on - 1.0)
             if tpot is None or tpot <= start:
                 out.append(1.0)
             else:

@@ -57,6 +57,11 @@ class FleetState(Protocol):
         idle, no fresh snapshot)."""
         ...
 
+    def smoothed_running(self, upstream_id: str, window_s: float) -> float | None:
+        """The engines' running requests there, smoothed with smoothed_tpot() (the batch that figure
+        was measured on), or None where smoothed_tpot() is None."""
+        ...
+
     def now(self) -> float:
         """The fleet's clock (unix seconds; virtual time in the discrete-event mode), the one snapshots'
         `published_at` is measured on."""

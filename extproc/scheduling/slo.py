@@ -11,9 +11,9 @@ told now than served in 3 s. The predictions are only as good as `prefill_tokens
 the GPUs' real prefill rate (docs/tuning.md).
 
 `slo-tpot`, for the time per output token (`x-llm-tpot-slo-ms`, or the route's metadata): sheds the
-request with 429 `slo_unattainable` when no candidate's engines decode within the objective now
-(their own inter-token latency from the snapshots, smoothed over `window_s` by the fleet view:
-fleet/tpot.py, the figure admission's TPOT gate reads); an engine that reports no figure (idle, or
+request with 429 `slo_unattainable` when no candidate's engines decode within `margin` (0.9) x the
+objective now (their own inter-token latency from the snapshots, smoothed over `window_s` by the
+fleet view: fleet/tpot.py, the figure admission's TPOT gate reads); an engine that reports no figure (idle, or
 no snapshot yet) counts as within. It does not narrow the candidates: `decode-speed` steers the
 request (see the class).
 """
@@ -80,8 +80,10 @@ class SloTpotFilter:
     prefixes are left behind. Steering is `decode-speed`'s job (in the default profile: it reads
     the request's objective)."""
 
-    # Shed when every candidate's smoothed TPOT is above objective x this.
-    margin: float = 1.0
+    # Shed when every candidate's smoothed TPOT is above objective x this: below 1 leaves room for
+    # what this request and those sent with it add before the figure shows it (0.9: chosen on the
+    # priorities bench, docs/benchmarks.md, "Room for the requests sent since").
+    margin: float = 0.9
     window_s: float = DEFAULT_TPOT_WINDOW_S  # the smoothing's time constant (fleet/tpot.py)
     retry_after_s: int = 1
 

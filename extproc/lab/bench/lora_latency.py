@@ -73,6 +73,10 @@ class ModelState:
         load = self.loads.get(upstream_id)
         return None if load is None else SmoothedTpot(window_s).take(upstream_id, load)
 
+    def smoothed_running(self, upstream_id: str, window_s: float) -> float | None:
+        load = self.loads.get(upstream_id)
+        return None if load is None or self.smoothed_tpot(upstream_id, window_s) is None else load.num_running
+
 
 def ld(**kw: Any) -> Load:
     """A Load with zero queues and one instance, published now (override any field)."""
