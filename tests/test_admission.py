@@ -465,6 +465,7 @@ async def test_slo_tpot_sheds_when_no_upstream_decodes_fast_enough() -> None:
         err = info.value
         assert (err.status, err.code, err.retry_after) == (429, "slo_unattainable", 1)
         assert "time per output token of 100 ms; the best predicted is 120 ms" in err.message
+        assert "(the limit is 0.9 x the objective: 90 ms)" in err.message
     assert count(lc, "critical", "shed", "slo_unattainable") == 1
     assert count(lc, "standard", "shed", "slo_unattainable") == 1
     assert await lc.route_async(head(), BODY)  # no objective: routed

@@ -127,12 +127,20 @@ def shed(reason: str, message: str, retry_after: int) -> RequestError:
 
 
 def slo_unattainable(
-    slo_ms: float, best_ms: float | None, retry_after: int = 1, *, measure: str = "time to first token"
+    slo_ms: float,
+    best_ms: float | None,
+    retry_after: int = 1,
+    *,
+    measure: str = "time to first token",
+    margin: float = 1.0,
 ) -> RequestError:
     """429: the request asked for a time to first token (or per output token: `measure`) no upstream
     is predicted to meet; shed now rather than served late (only requests that set an objective get
-    this)."""
+    this). With a `margin` other than 1 the message says so: a best figure under the objective is
+    then no contradiction."""
     best = f"; the best predicted is {best_ms:.0f} ms" if best_ms is not None else ""
+    if margin != 1.0:
+        best += f" (the limit is {margin:g} x the objective: {slo_ms * margin:g} ms)"
     return RequestError(
         429,
         f"No upstream is predicted to meet the requested {measure} of {slo_ms:g} ms{best}.",

@@ -13,9 +13,9 @@ the GPUs' real prefill rate (docs/tuning.md).
 `slo-tpot`, for the time per output token (`x-llm-tpot-slo-ms`, or the route's metadata): sheds the
 request with 429 `slo_unattainable` when no candidate's engines decode within `margin` (0.9) x the
 objective now (their own inter-token latency from the snapshots, smoothed over `window_s` by the
-fleet view: fleet/tpot.py, the figure admission's TPOT gate reads); an engine that reports no figure (idle, or
-no snapshot yet) counts as within. It does not narrow the candidates: `decode-speed` steers the
-request (see the class).
+fleet view: fleet/tpot.py, the figure admission's TPOT gate reads); an engine that reports no
+figure (idle, or no snapshot yet) counts as within. It does not narrow the candidates:
+`decode-speed` steers the request (see the class).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class SloTtftFilter:
         limit = slo_ms / 1000.0 * self.margin
         kept = [u for u, p in zip(candidates, predicted, strict=True) if p <= limit]
         if not kept:
-            raise slo_unattainable(slo_ms, min(predicted) * 1000.0, self.retry_after_s)
+            raise slo_unattainable(slo_ms, min(predicted) * 1000.0, self.retry_after_s, margin=self.margin)
         return kept
 
 
@@ -110,4 +110,6 @@ class SloTpotFilter:
             if best is None or tpot < best:
                 best = tpot
         best_ms = None if best is None else best * 1000.0
-        raise slo_unattainable(slo_ms, best_ms, self.retry_after_s, measure="time per output token")
+        raise slo_unattainable(
+            slo_ms, best_ms, self.retry_after_s, measure="time per output token", margin=self.margin
+        )
