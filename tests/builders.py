@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from aiohttp import web
+
 from extproc.fleet import InstanceState
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.openai import Api, InferenceRequest
@@ -56,3 +58,15 @@ def instance_state(upstream_id: str, cluster: str, address: str | None, **overri
     }
     fields.update(overrides)
     return InstanceState(**fields)
+
+
+async def serve_http(method: str, path: str, handler: Any) -> tuple[web.AppRunner, int]:
+    """A one-route aiohttp server on a free loopback port: (runner to clean up, port)."""
+    app = web.Application()
+    app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, port

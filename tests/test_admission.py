@@ -637,8 +637,8 @@ async def test_unknown_model_is_404_not_saturation() -> None:
 def test_priorities_bench_reports_the_tail_after_warm_up_apart() -> None:
     """The bench's "after warm-up" p99 leaves out the first share of requests by arrival order (the
     same requests at every load), and only that: shed requests and the whole-run p99 are unchanged."""
+    from extproc.lab.bench.priorities import class_stats, warmup_end_s
     from extproc.lab.bench.report import RequestRecord, Slo
-    from extproc.lab.discrete_event.priorities import class_stats, warmup_end_s
 
     def rec(i: int, ttft: float, klass: str = "critical", status: int = 200) -> RequestRecord:
         return RequestRecord(f"{klass}/t", "e0", status, None, float(i), ttft, ttft + 1.0, 100, 10)

@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from builders import NOW, chat_request, instance_state
+from builders import NOW, chat_request, instance_state, serve_http
 
 from extproc.fleet import ClusterSpec, FleetView, InstanceState, Load, Pool, RoutingMode, Upstream
 from extproc.fleet import snapshot_pb2 as spb
@@ -459,17 +459,6 @@ def test_dcgm_settings() -> None:
             instance_from_dict({"cluster": "c", "address": "10.0.0.7:8000", **bad})
 
 
-async def _serve(handler: Any) -> tuple[web.AppRunner, int]:
-    app = web.Application()
-    app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, port
-
-
 async def test_scrape_reads_dcgm_and_a_dead_exporter_only_leaves_gpu_unknown() -> None:
     engine = SimEngine("e", "m")
     engine_port = await engine.start("127.0.0.1", 0)
@@ -477,7 +466,7 @@ async def test_scrape_reads_dcgm_and_a_dead_exporter_only_leaves_gpu_unknown() -
     async def dcgm(_: web.Request) -> web.Response:
         return web.Response(text=DCGM)
 
-    runner, dcgm_port = await _serve(dcgm)
+    runner, dcgm_port = await serve_http("GET", "/metrics", dcgm)
     try:
         good = InstanceSpec(
             cluster="c1",

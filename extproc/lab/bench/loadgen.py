@@ -22,16 +22,22 @@ from extproc.lab.bench.report import RequestRecord
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], *, tag: str = "", arrival_s: float = 0.0
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    tag: str = "",
+    arrival_s: float = 0.0,
+    headers: dict[str, str] | None = None,
 ) -> RequestRecord:
+    """`headers`: sent besides content-type (a priority class, an objective, a user)."""
     started = time.perf_counter()
     rec = RequestRecord(
         tag=tag, served_by=None, status=0, error=None, arrival_s=arrival_s, ttft_s=None, e2e_s=0.0
     )
+    sent = {"content-type": "application/json", **(headers or {})}
     try:
-        async with session.post(
-            url, data=orjson.dumps(body), headers={"content-type": "application/json"}
-        ) as r:
+        async with session.post(url, data=orjson.dumps(body), headers=sent) as r:
             rec.status = r.status
             rec.served_by = r.headers.get("x-sim-engine") or r.headers.get("x-served-by")
             if r.status != 200:
@@ -82,8 +88,12 @@ async def open_loop(
     *,
     timeout_s: float = 300.0,
     progress: str | None = None,
+    headers: Sequence[dict[str, str] | None] | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Send each (arrival_s, body, tag) at its arrival time; returns records and the wall time taken."""
+    """Send each (arrival_s, body, tag) at its arrival time, with `headers[i]` added to request i's
+    when given; returns records and the wall time taken."""
+    if headers is not None and len(headers) != len(requests):
+        raise ValueError(f"{len(headers)} header sets for {len(requests)} requests")
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     done = 0
@@ -105,13 +115,13 @@ async def open_loop(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         started = time.perf_counter()
         tasks: list[asyncio.Task[RequestRecord]] = []
-        for arrival, body, tag in requests:
+        for i, (arrival, body, tag) in enumerate(requests):
             delay = started + arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(
-                asyncio.create_task(tracked(one_request(session, url, body, tag=tag, arrival_s=arrival)))
-            )
+            extra = headers[i] if headers is not None else None
+            sending = one_request(session, url, body, tag=tag, arrival_s=arrival, headers=extra)
+            tasks.append(asyncio.create_task(tracked(sending)))
         records = await asyncio.gather(*tasks)
         return list(records), time.perf_counter() - started
 

@@ -12,6 +12,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -549,6 +550,7 @@ async def run_live_requests(
     replicas: int = 1,
     service_extra: dict[str, Any] | None = None,
     agreement: list[tuple[float, int, str, float]] | None = None,
+    headers: Sequence[dict[str, str] | None] | None = None,
 ) -> tuple[list[RequestRecord], float] | None:
     """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
     time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
@@ -556,7 +558,8 @@ async def run_live_requests(
     magnified by `time_scale` in the process). Returns (records, virtual duration), or None when the
     policy's peer is not installed. With `agreement` (a list) and several llm-extproc replicas, each
     replica's `llm_extproc_sync_agreement{plugin}` is read every `AGREEMENT_EVERY_S` while the
-    requests run and appended as (seconds since the first request, replica, plugin, value)."""
+    requests run and appended as (seconds since the first request, replica, plugin, value).
+    `headers`: per request, sent with it (a priority class, an objective)."""
     import subprocess
 
     from extproc.lab.stack import wait_port
@@ -579,7 +582,7 @@ async def run_live_requests(
         if agreement is not None and gateways and replicas > 1:
             sampler = asyncio.create_task(_sample_agreement(gateways[0], replicas, agreement))
         real = [(a / time_scale, body, tag) for a, body, tag in requests]
-        records, wall = await open_loop(url + "/v1/chat/completions", real, progress=policy)
+        records, wall = await open_loop(url + "/v1/chat/completions", real, progress=policy, headers=headers)
     finally:
         if sampler is not None:
             sampler.cancel()
