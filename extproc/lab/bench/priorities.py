@@ -165,6 +165,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += _check_lines(DECODE_SPEED_ROW, result["checks_decode_speed"], c["warmup"])
     if "checks_tpot_objective" in result:
         lines += _check_lines(TPOT_OBJECTIVE_ROW, result["checks_tpot_objective"], c["warmup"])
+    if "checks_tpot_gate" in result:
+        lines += _check_lines(TPOT_GATE_ROW, result["checks_tpot_gate"], c["warmup"])
     return "\n".join(lines)
 
 
