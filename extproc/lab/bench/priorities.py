@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from extproc.lab.bench.report import RequestRecord, Slo, percentile
+from extproc.lab.bench.report import RequestRecord, Slo, percentile, summarize
+from extproc.lab.bench.workloads import Workload, make_workload, with_priorities
 
 CLASSES = ("critical", "standard", "sheddable")
 # The routers a deployment could run instead (the DES's other references read the engines' exact
@@ -30,6 +31,40 @@ BENCH_ADMISSION: dict[str, Any] = {"enabled": True, "max_predicted_wait_s": 0.15
 TPOT_GATE_ROW = "llm-extproc (+ TPOT gate)"
 TPOT_OBJECTIVE_ROW = "llm-extproc (TPOT objective per request)"
 DECODE_SPEED_ROW = "llm-extproc (+ decode-speed)"
+
+
+def priorities_workload(name: str, params: dict[str, Any], *, rate: float, count: int, seed: int) -> Workload:
+    """The bench's workload at `rate`: `name` with `params`, each request given a priority class
+    (`workloads.with_priorities`, seeded)."""
+    wl = make_workload(name, rate=rate, count=count, seed=seed, **params)
+    return with_priorities(wl, seed=seed)
+
+
+def row_stats(
+    name: str, records: Sequence[RequestRecord], window_s: float, slo: Slo, warmup: float
+) -> dict[str, Any]:
+    """One policy's row at one load: goodput over the arrival window, counts, failures other than a
+    429, and the per-class statistics."""
+    report = summarize(name, list(records), window_s, slo)
+    return {
+        "goodput_rps": report.goodput_rps,
+        "good": report.good,
+        "ok": report.ok,
+        "requests": report.requests,
+        "errors": sum(1 for r in records if not r.ok and r.status != 429),
+        "ttft_p99_ms": report.ttft_p99_ms,
+        "classes": class_stats(records, slo, warmup),
+    }
+
+
+def row_line(load: float, name: str, row: dict[str, Any]) -> str:
+    """The progress line printed for a row_stats() row."""
+    crit = row["classes"]["critical"]
+    return (
+        f"  load {load:.0%} {name}: goodput {row['goodput_rps']:.2f}/s, ok {row['ok']}/"
+        f"{row['requests']}, critical TTFT p99 {ms(crit['ttft_p99_ms'])} "
+        f"(after warm-up {ms(crit['ttft_p99_steady_ms'])})"
+    )
 
 
 def warmup_end_s(records: Sequence[RequestRecord], warmup: float) -> float:

@@ -43,13 +43,13 @@ from extproc.lab.bench.priorities import (
     TPOT_GATE_ROW,
     TPOT_OBJECTIVE_ROW,
     checks,
-    class_stats,
     markdown,
-    ms,
+    priorities_workload,
+    row_line,
+    row_stats,
 )
-from extproc.lab.bench.report import Slo, summarize
+from extproc.lab.bench.report import Slo
 from extproc.lab.bench.scenarios import peer_missing, run_live_requests
-from extproc.lab.bench.workloads import make_workload, with_priorities
 from extproc.lab.engines.profiles import PROFILES
 
 # Row name -> the live policy that runs it (llm-extproc rows differ in what the requests carry).
@@ -62,6 +62,7 @@ ROWS = {
     "sglang-cache-aware": "sglang-cache-aware",
 }
 REFERENCES = ("round-robin", "least-request", "sglang-cache-aware")
+WORKLOAD, WORKLOAD_PARAMS = "shared-prefix", {"tenants": 16}  # the discrete-event bench's default
 DES_CAPACITY_RPS = 9.43  # docs/benchmarks.md, "Priorities and SLOs": seeds 1-7 at this rate
 
 
@@ -107,8 +108,7 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
     started = time.perf_counter()
     for load in cfg.loads:
         rate = cfg.capacity_rps * load
-        base = make_workload("shared-prefix", rate=rate, count=cfg.count, seed=cfg.seed, tenants=16)
-        wl = with_priorities(base, seed=cfg.seed)
+        wl = priorities_workload(WORKLOAD, WORKLOAD_PARAMS, rate=rate, count=cfg.count, seed=cfg.seed)
         requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
         per_load: dict[str, Any] = {}
         for row in cfg.rows:
@@ -133,30 +133,16 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
                 skipped[row] = "could not start"
                 continue
             records, _ = ran
-            report = summarize(row, records, wl.duration_s, cfg.slo)
-            per_load[row] = {
-                "goodput_rps": report.goodput_rps,
-                "good": report.good,
-                "ok": report.ok,
-                "requests": report.requests,
-                "errors": sum(1 for r in records if not r.ok and r.status != 429),
-                "ttft_p99_ms": report.ttft_p99_ms,
-                "classes": class_stats(records, cfg.slo, cfg.warmup),
-            }
-            crit = per_load[row]["classes"]["critical"]
-            progress(
-                f"  load {load:.0%} {row}: goodput {report.goodput_rps:.2f}/s, ok {report.ok}/"
-                f"{report.requests}, critical TTFT p99 {ms(crit['ttft_p99_ms'])} (after warm-up "
-                f"{ms(crit['ttft_p99_steady_ms'])})"
-            )
+            per_load[row] = row_stats(row, records, wl.duration_s, cfg.slo, cfg.warmup)
+            progress(row_line(load, row, per_load[row]))
         runs[f"{load:g}"] = {"rate_rps": rate, "window_s": wl.duration_s, "policies": per_load}
     references = [r for r in REFERENCES if r in cfg.rows and r not in skipped]
     result: dict[str, Any] = {
         "config": {
             "engines": cfg.engines,
             "profile": cfg.profile,
-            "workload": "shared-prefix",
-            "workload_params": {"tenants": 16},
+            "workload": WORKLOAD,
+            "workload_params": WORKLOAD_PARAMS,
             "count": cfg.count,
             "seed": cfg.seed,
             "slo": {"ttft_s": cfg.slo.ttft_s, "tpot_s": cfg.slo.tpot_s},

@@ -38,13 +38,14 @@ from extproc.lab.bench.priorities import (
     TPOT_GATE_ROW,
     TPOT_OBJECTIVE_ROW,
     checks,
-    class_stats,
     is_good,
     markdown,
-    ms,
+    priorities_workload,
+    row_line,
+    row_stats,
 )
-from extproc.lab.bench.report import RequestRecord, Slo, summarize
-from extproc.lab.bench.workloads import Workload, make_workload, with_priorities
+from extproc.lab.bench.report import RequestRecord, Slo
+from extproc.lab.bench.workloads import Workload
 from extproc.lab.discrete_event.simulation import POLICIES, SEEDED_PICKER, simulate, tokenize_requests
 from extproc.lab.engines.profiles import PROFILES
 from extproc.settings import DEFAULT_PROFILE
@@ -85,8 +86,7 @@ class BenchConfig:
 
 
 def _workload(cfg: BenchConfig, rate: float) -> Workload:
-    wl = make_workload(cfg.workload, rate=rate, count=cfg.count, seed=cfg.seed, **cfg.workload_params)
-    return with_priorities(wl, seed=cfg.seed)
+    return priorities_workload(cfg.workload, cfg.workload_params, rate=rate, count=cfg.count, seed=cfg.seed)
 
 
 def _run(
@@ -181,21 +181,8 @@ def run_bench(
         per_load: dict[str, Any] = {}
         for name, policy, admission, profile, headers in policies:
             records = _run(cfg, wl, policy, admission, profile, headers)
-            report = summarize(name, records, window, cfg.slo)
-            per_load[name] = {
-                "goodput_rps": report.goodput_rps,
-                "good": report.good,
-                "ok": report.ok,
-                "requests": report.requests,
-                "ttft_p99_ms": report.ttft_p99_ms,
-                "classes": class_stats(records, cfg.slo, cfg.warmup),
-            }
-            crit = per_load[name]["classes"]["critical"]
-            log(
-                f"  load {load:.0%} {name}: goodput {report.goodput_rps:.2f}/s, ok {report.ok}/"
-                f"{report.requests}, critical TTFT p99 {ms(crit['ttft_p99_ms'])} "
-                f"(after warm-up {ms(crit['ttft_p99_steady_ms'])})"
-            )
+            per_load[name] = row_stats(name, records, window, cfg.slo, cfg.warmup)
+            log(row_line(load, name, per_load[name]))
         runs[f"{load:g}"] = {"rate_rps": rate, "window_s": window, "policies": per_load}
     result = {
         "config": {
