@@ -653,3 +653,64 @@ def test_priorities_bench_reports_the_tail_after_warm_up_apart() -> None:
     assert stats["ok"] == 100 and stats["good"] == 95
     whole = class_stats(records, Slo(ttft_s=1.0, tpot_s=0.5))["critical"]
     assert whole["ttft_p99_steady_ms"] == whole["ttft_p99_ms"]
+
+
+# -- placement while requests wait: the predicted queue must not turn warm requests into cold ones ----
+class _Counts:
+    """The scheduling state admission reads, with no snapshots (only in-flight counts, all 0)."""
+
+    def count(self, uid: str) -> int:
+        return 0
+
+    def load(self, uid: str) -> None:
+        return None
+
+    def pending(self, uid: str) -> int:
+        return 0
+
+
+def _request(priority: int = 0) -> Any:
+    from extproc.openai import InferenceRequest
+
+    return InferenceRequest(
+        api="chat",  # type: ignore[arg-type]
+        model="m",
+        stream=False,
+        max_tokens=4,
+        prompt_text="hello",
+        prompt_token_ids=None,
+        session=None,
+        user="u1",
+        priority=priority,
+        body_bytes=10,
+    )
+
+
+def test_while_saturated_a_request_keeps_a_full_candidate_where_it_would_wait_no_longer() -> None:
+    """While requests wait, an admitted one goes only where the predicted prefill queue is under
+    `max_predicted_wait_s`, unless a full candidate is no slower for it by its own predicted TTFT
+    (its prefix is cached there): moving it would make a cold prefill, more work for a fleet that
+    has none to spare."""
+    from extproc.fleet import Upstream
+    from extproc.lifecycle.admission import Admission
+
+    a, b = Upstream("a", "a", None, 1.0), Upstream("b", "b", None, 1.0)
+    backlog = {"a": 1.2, "b": 0.3}  # a: over the 1.0 s threshold; b: room
+    own = {"a": 1.25, "b": 1.5}  # the request's prefix is cached on a: sooner there even so
+    settings = admission_settings({"enabled": True, "max_predicted_wait_s": 1.0})
+    adm = Admission(
+        settings,
+        lambda model: (a, b),
+        _Counts(),  # type: ignore[arg-type]
+        backlog=lambda u: (backlog[u.id], 0.2),
+        own_ttft=lambda req, cands: [own[u.id] for u in cands],
+    )
+    request = _request()
+    assert adm.placeable(request, (a, b)) == (a, b)  # nobody waits: the scheduler decides
+    adm.enqueue(_request(), lambda err: None)  # saturated: someone waits
+    assert adm.placeable(request, (a, b)) == (a, b)  # a is full but no slower for this request
+    own["a"] = 2.4  # not cached on a after all: a cold prefill behind a's queue
+    assert adm.placeable(request, (a, b)) == (b,)
+    assert adm.placeable(_request(priority=1), (a, b)) == (a, b)  # critical: anywhere
+    backlog["b"] = 1.1  # nobody has room: all of them
+    assert adm.placeable(request, (a, b)) == (a, b)

@@ -164,6 +164,8 @@ class WaiterState(Enum):
 
 Backlog = Callable[[Upstream], tuple[float, float]]
 """(seconds of prefill queued at an upstream, mean prefill seconds per request): predicted-ttft's."""
+OwnTtft = Callable[[InferenceRequest, Sequence[Upstream]], Sequence[float]]
+"""This request's own predicted TTFT on each candidate, seconds: predicted-ttft's `predict_ttft`."""
 Notify = Callable[[RequestError | None], None]
 """Told once: None when the waiter is granted capacity, else the error that ends it (timeout)."""
 
@@ -238,6 +240,7 @@ class Admission:
         "backlog",
         "clock",
         "metrics",
+        "own_ttft",
         "settings",
         "state",
     )
@@ -250,9 +253,11 @@ class Admission:
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         backlog: Backlog | None = None,
+        own_ttft: OwnTtft | None = None,
     ) -> None:
         self.settings = settings
         self.backlog = backlog
+        self.own_ttft = own_ttft
         self._candidates = candidates
         self.state = state
         self.metrics = metrics
@@ -308,16 +313,31 @@ class Admission:
         a saturated favourite); critical ones anywhere; all of them when none has headroom.
 
         The predicted prefill queue counts here only while the model is saturated (requests wait in
-        its queue); the engines' own counts and caps always do. Below saturation, moving a request
-        off its prefix holder because the holder's predicted queue passed `max_predicted_wait_s`
-        sends a cold prefill to another engine, which slows everyone there, critical requests first:
-        critical TTFT p99 at 120 % load was 1008 ms with that filter always on and is 407 ms without
-        (docs/benchmarks.md, "Priorities and SLOs"); the scheduler weighs that move itself."""
+        its queue), and even then it does not take a candidate away from a request that would wait
+        there no longer than where there is headroom (its own predicted TTFT, `own_ttft`: the queue
+        plus its uncached prefill). A move off its prefix holder turns a warm request into a cold
+        prefill, which is more work for the fleet just when it has none to spare: with the holder
+        taken away regardless, each admitted request became a cold prefill that closed another
+        engine, and 8 A10Gs serving 48 tenants fell from 22.8 to 1.2 good requests/s
+        (docs/benchmarks.md, "Priorities across fleets and workloads"). Below saturation the
+        scheduler weighs every move itself: critical TTFT p99 at 120 % load was 1008 ms with the
+        predicted queue always restricting and 407 ms without (docs/benchmarks.md, "Priorities and
+        SLOs"). The engines' own counts and caps always restrict."""
         if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
             return candidates
         saturated = request.model is not None and self.queue_length(request.model) > 0
-        kept = tuple(u for u in candidates if self.headroom(u, predicted=saturated) > 0)
-        return kept if kept else candidates
+        if not saturated:
+            kept = tuple(u for u in candidates if self.headroom(u, predicted=False) > 0)
+            return kept if kept else candidates
+        open_ = tuple(u for u in candidates if self.headroom(u, predicted=False) > 0) or candidates
+        with_room = [self.headroom(u) > 0 for u in open_]
+        if not any(with_room):
+            return open_
+        if all(with_room) or self.own_ttft is None:
+            return tuple(u for u, ok in zip(open_, with_room, strict=True) if ok)
+        ttft = self.own_ttft(request, open_)
+        best = min(t for t, ok in zip(ttft, with_room, strict=True) if ok)
+        return tuple(u for u, t, ok in zip(open_, ttft, with_room, strict=True) if ok or t <= best)
 
     @property
     def queued(self) -> int:

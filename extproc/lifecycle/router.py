@@ -17,7 +17,14 @@ from typing import Any
 
 from extproc.config import ServiceConfig
 from extproc.fleet import FleetView, InFlight, Lease, SchedulingState, Upstream
-from extproc.lifecycle.admission import NO_ROUTE, Admission, Backlog, RouteAdmission, priority_class
+from extproc.lifecycle.admission import (
+    NO_ROUTE,
+    Admission,
+    Backlog,
+    OwnTtft,
+    RouteAdmission,
+    priority_class,
+)
 from extproc.lifecycle.bodies import BodyParser
 from extproc.lifecycle.endpoints import explained, in_subset, ranked_fallbacks
 from extproc.openai import InferenceRequest, RequestError, RequestHead, bodyless_request, parse_head
@@ -87,7 +94,12 @@ class RequestLifecycle:
         self.fallback = profile_from_config("fallback", FALLBACK_PROFILE)
         self.bodies = BodyParser(config.bodies, config.max_body_bytes)
         self.admission = Admission(
-            config.admission, self._admission_candidates, self.state, metrics, backlog=self._backlog()
+            config.admission,
+            self._admission_candidates,
+            self.state,
+            metrics,
+            backlog=self._backlog(),
+            own_ttft=self._own_ttft(),
         )
         keep = config.explain.keep_last
         self.decisions = DecisionLog(keep) if keep > 0 else None  # /debug/decisions
@@ -343,6 +355,14 @@ class RequestLifecycle:
             if isinstance(scorer, PredictedTtftScorer):
                 predictor, state = scorer, self.state
                 return lambda u: predictor.backlog(u, state)
+        return None
+
+    def _own_ttft(self) -> OwnTtft | None:
+        """The default profile's predicted-ttft figure for one request, for admission's placement."""
+        for scorer, _ in self.config.profile.scorers:
+            if isinstance(scorer, PredictedTtftScorer):
+                predictor, state = scorer, self.state
+                return lambda request, candidates: predictor.predict_ttft(request, candidates, state)
         return None
 
     def _admission_candidates(self, model: str) -> tuple[Upstream, ...]:

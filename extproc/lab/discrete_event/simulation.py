@@ -271,6 +271,7 @@ class ExtprocPolicy:
         self.sequence = 0
         self._prefill_rates = [PrefillRate() for _ in fleet.engines]
         self._itl_seen = [(0.0, 0) for _ in fleet.engines]  # inter-token (sum, count) at the last publish
+        self._ttft_seen = [(0.0, 0) for _ in fleet.engines]  # first-token (sum, count) at the last publish
 
     def publish(self, now: float, ttl_s: float) -> None:
         """What `llm-extproc publish` would write for every engine at `now`, through decode()."""
@@ -306,6 +307,11 @@ class ExtprocPolicy:
             if e.itl_count > itl_count:
                 snap.tpot_seconds = (e.itl_sum - itl_sum) / (e.itl_count - itl_count)
             self._itl_seen[i] = (e.itl_sum, e.itl_count)
+            # And its TTFT: the mean over the requests whose first token came in the interval.
+            ttft_sum, ttft_count = self._ttft_seen[i]
+            if e.ttft_count > ttft_count:
+                snap.ttft_seconds = (e.ttft_sum - ttft_sum) / (e.ttft_count - ttft_count)
+            self._ttft_seen[i] = (e.ttft_sum, e.ttft_count)
             data = snap.SerializeToString()
             for replica in self.replicas:
                 replica.view.apply(decode(data, replica.view.known_clusters, now=now))

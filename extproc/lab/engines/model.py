@@ -270,6 +270,9 @@ class EngineModel:
         # vLLM's inter_token_latency_seconds: the gap between a sequence's consecutive tokens.
         self.itl_sum = 0.0
         self.itl_count = 0
+        # vLLM's time_to_first_token_seconds: submitted to first token, per request.
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
         self.requests_finished = 0
         self.requests_aborted = 0
         self.preemptions_total = 0
@@ -398,6 +401,8 @@ class EngineModel:
                 self.prefill_time_sum += end - (seq.scheduled_at if seq.scheduled_at is not None else now)
                 self.prefill_count += 1
                 result.first_tokens.append(FirstTokenEvent(seq.request_id, end - seq.submitted_at))
+                self.ttft_sum += end - seq.submitted_at
+                self.ttft_count += 1
             if seq.output_count >= seq.max_tokens:
                 result.finished.append(self._finish(seq, end))
                 done = True
