@@ -294,10 +294,8 @@ class Admission:
             free = min(free, s.max_waiting_per_weight * w - waiting)
             if s.max_kv_usage is not None and load.kv_cache_usage >= s.max_kv_usage:
                 return 0.0
-        if predicted and s.max_tpot_s is not None and load is not None:
-            tpot = state.smoothed_tpot(u.id, s.tpot_window_s)
-            if tpot is not None and tpot >= s.max_tpot_s:
-                return 0.0
+        if predicted and self.decoding_slowly(u):
+            return 0.0
         if predicted and s.max_predicted_wait_s is not None and self.backlog is not None:
             wait, per_request = self.backlog(u)
             left = s.max_predicted_wait_s - wait
@@ -306,6 +304,14 @@ class Admission:
             if per_request > 0:
                 free = min(free, left / per_request)
         return free
+
+    def decoding_slowly(self, u: Upstream) -> bool:
+        """The TPOT gate: `u`'s engines decode at or above `max_tpot_s` (smoothed)."""
+        s = self.settings
+        if s.max_tpot_s is None or self.state.load(u.id) is None:
+            return False
+        tpot = self.state.smoothed_tpot(u.id, s.tpot_window_s)
+        return tpot is not None and tpot >= s.max_tpot_s
 
     def placeable(self, request: InferenceRequest, candidates: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
         """Where an admitted request may go: standard and sheddable requests only to candidates with
@@ -322,7 +328,8 @@ class Admission:
         (docs/benchmarks.md, "Priorities across fleets and workloads"). Below saturation the
         scheduler weighs every move itself: critical TTFT p99 at 120 % load was 1008 ms with the
         predicted queue always restricting and 407 ms without (docs/benchmarks.md, "Priorities and
-        SLOs"). The engines' own counts and caps always restrict."""
+        SLOs"). The engines' own counts and caps always restrict, and so does the TPOT gate while
+        saturated (one more sequence there slows every running one, however warm it is)."""
         if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
             return candidates
         saturated = request.model is not None and self.queue_length(request.model) > 0
@@ -337,7 +344,11 @@ class Admission:
             return tuple(u for u, ok in zip(open_, with_room, strict=True) if ok)
         ttft = self.own_ttft(request, open_)
         best = min(t for t, ok in zip(ttft, with_room, strict=True) if ok)
-        return tuple(u for u, t, ok in zip(open_, ttft, with_room, strict=True) if ok or t <= best)
+        return tuple(
+            u
+            for u, t, ok in zip(open_, ttft, with_room, strict=True)
+            if ok or (t <= best and not self.decoding_slowly(u))
+        )
 
     @property
     def queued(self) -> int:
