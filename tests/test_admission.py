@@ -714,3 +714,36 @@ def test_while_saturated_a_request_keeps_a_full_candidate_where_it_would_wait_no
     assert adm.placeable(_request(priority=1), (a, b)) == (a, b)  # critical: anywhere
     backlog["b"] = 1.1  # nobody has room: all of them
     assert adm.placeable(request, (a, b)) == (a, b)
+
+
+def test_while_saturated_the_tpot_gate_closes_a_candidate_however_warm() -> None:
+    """The own-TTFT exception is for the prefill queue only: an engine decoding over `max_tpot_s`
+    stays closed to an admitted request even where its prefix would make it the fastest."""
+    from types import SimpleNamespace
+
+    from extproc.fleet import Upstream
+    from extproc.lifecycle.admission import Admission
+
+    class Decoding(_Counts):
+        tpot = {"a": 0.12, "b": 0.05}
+
+        def load(self, uid: str) -> Any:
+            return SimpleNamespace(num_waiting=0, kv_cache_usage=0.1)
+
+        def smoothed_tpot(self, uid: str, window_s: float) -> float:
+            return self.tpot[uid]
+
+    a, b = Upstream("a", "a", None, 1.0), Upstream("b", "b", None, 1.0)
+    state = Decoding()
+    settings = admission_settings({"enabled": True, "max_predicted_wait_s": 1.0, "max_tpot_s": 0.1})
+    adm = Admission(
+        settings,
+        lambda model: (a, b),
+        state,  # type: ignore[arg-type]
+        backlog=lambda u: (1.2 if u.id == "a" else 0.3, 0.2),
+        own_ttft=lambda req, cands: [1.25 if u.id == "a" else 1.5 for u in cands],
+    )
+    adm.enqueue(_request(), lambda err: None)
+    assert adm.placeable(_request(), (a, b)) == (b,)  # a: warm, but decoding at 120 ms
+    state.tpot["a"] = 0.08
+    assert adm.placeable(_request(), (a, b)) == (a, b)  # only its prefill queue is long: kept
