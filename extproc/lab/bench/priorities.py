@@ -178,22 +178,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     for load, run in result["loads"].items():
-        lines += [
-            f"## {float(load):.0%} load ({run['rate_rps']:.2f} req/s)",
-            "",
-            "| policy | goodput/s | served | critical TTFT p50 / p99 ms | critical p99 after warm-up | "
-            "standard p99 ms | sheddable p99 ms | shed critical / standard / sheddable |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for name, p in run["policies"].items():
-            k = p["classes"]
-            lines.append(
-                f"| {name} | {p['goodput_rps']:.2f} | {p['ok']}/{p['requests']} | "
-                f"{ms(k['critical']['ttft_p50_ms'])} / {ms(k['critical']['ttft_p99_ms'])} | "
-                f"{ms(k['critical']['ttft_p99_steady_ms'])} | {ms(k['standard']['ttft_p99_ms'])} | "
-                f"{ms(k['sheddable']['ttft_p99_ms'])} | "
-                f"{k['critical']['shed']} / {k['standard']['shed']} / {k['sheddable']['shed']} |"
-            )
+        lines += [f"## {float(load):.0%} load ({run['rate_rps']:.2f} req/s)", ""]
+        lines += policy_table(run["policies"])
         lines.append("")
     lines += _check_lines("llm-extproc with admission", result["checks"], c["warmup"])
     if "checks_decode_speed" in result:
@@ -203,6 +189,25 @@ def markdown(result: dict[str, Any]) -> str:
     if "checks_tpot_gate" in result:
         lines += _check_lines(TPOT_GATE_ROW, result["checks_tpot_gate"], c["warmup"])
     return "\n".join(lines)
+
+
+def policy_table(policies: dict[str, dict[str, Any]]) -> list[str]:
+    """One load's rows (row_stats() results by name) as a markdown table."""
+    lines = [
+        "| policy | goodput/s | served | critical TTFT p50 / p99 ms | critical p99 after warm-up | "
+        "standard p99 ms | sheddable p99 ms | shed critical / standard / sheddable |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in policies.items():
+        k = p["classes"]
+        lines.append(
+            f"| {name} | {p['goodput_rps']:.2f} | {p['ok']}/{p['requests']} | "
+            f"{ms(k['critical']['ttft_p50_ms'])} / {ms(k['critical']['ttft_p99_ms'])} | "
+            f"{ms(k['critical']['ttft_p99_steady_ms'])} | {ms(k['standard']['ttft_p99_ms'])} | "
+            f"{ms(k['sheddable']['ttft_p99_ms'])} | "
+            f"{k['critical']['shed']} / {k['standard']['shed']} / {k['sheddable']['shed']} |"
+        )
+    return lines
 
 
 def _check_lines(row: str, ch: dict[str, Any], warmup: float) -> list[str]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.lab.bench.grid import Cell, cell_profiles, cell_slo, grid, make_cell_workload, prefix_tokens
-from extproc.lab.bench.priorities import BENCH_ADMISSION, checks, is_good, ms, row_stats
+from extproc.lab.bench.priorities import BENCH_ADMISSION, checks, is_good, policy_table, row_stats
 from extproc.lab.bench.report import RequestRecord, Slo
 from extproc.lab.bench.workloads import Workload, with_priorities
 from extproc.lab.discrete_event.grid import cold_prefill_s
@@ -222,20 +222,10 @@ def markdown(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines.append("")
     for r in results:
         lines += [f"## {r['cell']}: {r['describe']}", ""]
-        lines.append(
-            "| load | policy | goodput/s | served | critical TTFT p50 / p99 ms | after warm-up | shed |"
-        )
-        lines.append("|---|---|---|---|---|---|---|")
         for load, run in r["loads"].items():
-            for name, p in run["policies"].items():
-                k = p["classes"]
-                lines.append(
-                    f"| {float(load):.0%} | {name} | {p['goodput_rps']:.2f} | {p['ok']}/{p['requests']} | "
-                    f"{ms(k['critical']['ttft_p50_ms'])} / {ms(k['critical']['ttft_p99_ms'])} | "
-                    f"{ms(k['critical']['ttft_p99_steady_ms'])} | "
-                    f"{k['critical']['shed']} / {k['standard']['shed']} / {k['sheddable']['shed']} |"
-                )
-        lines.append("")
+            lines += [f"### {float(load):.0%} load ({run['rate_rps']:.2f} req/s)", ""]
+            lines += policy_table(run["policies"])
+            lines.append("")
     return "\n".join(lines)
 
 
