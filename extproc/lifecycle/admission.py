@@ -324,8 +324,10 @@ class Admission:
         plus its uncached prefill). A move off its prefix holder turns a warm request into a cold
         prefill, which is more work for the fleet just when it has none to spare: with the holder
         taken away regardless, each admitted request became a cold prefill that closed another
-        engine, and 8 A10Gs serving 48 tenants fell from 22.8 to 1.2 good requests/s
-        (docs/benchmarks.md, "Priorities across fleets and workloads"). Below saturation the
+        engine: 8 A10Gs serving 48 tenants at 120 % of capacity gave 1.2 good requests/s, against
+        17.7 without admission and 19.2 with this rule (docs/benchmarks.md, "Priorities across
+        fleets and workloads"; at 160 % where every cache holds every tenant the rule costs, as
+        that section says). Below saturation the
         scheduler weighs every move itself: critical TTFT p99 at 120 % load was 1008 ms with the
         predicted queue always restricting and 407 ms without (docs/benchmarks.md, "Priorities and
         SLOs"). The engines' own counts and caps always restrict, and so does the TPOT gate while
