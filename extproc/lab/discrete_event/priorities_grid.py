@@ -48,19 +48,10 @@ REFERENCES = ("round-robin", "least-request", "sglang-cache-aware", "vllm-router
 # Who sets the capacity: the best of these (round robin and least request never do here).
 CAPACITY_POLICIES = (OURS, "sglang-cache-aware", "vllm-router-cache-aware", "exact-ttft")
 CAPACITY_GOOD = 0.95
-CELLS = (
-    "t-base",
-    "t-engines-4",
-    "t-kv-4",
-    "t-kv-60",
-    "t-tenants-16",
-    "t-tenants-200",
-    "t-prompt-4k",
-    "t-mixed",
-    "c-base",
-    "c-kv-4",
-)
-"""The default cells: the routing grid's base cells and one factor at a time where it matters most."""
+CELLS = ("t-base", "t-kv-4", "t-tenants-16", "t-prompt-4k", "t-mixed", "c-base", "c-kv-4")
+"""The default cells: the routing grid's base cells, and one factor at a time where admission's
+signals differ most (KV per engine, tenants, prompt length, GPUs); any cell of the routing grids
+`default` and `report` can be named (`--cells`)."""
 
 
 @dataclass(slots=True)
