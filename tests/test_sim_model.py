@@ -207,6 +207,20 @@ def test_inter_token_gaps_are_the_steps_between_a_sequences_tokens() -> None:
     assert m.itl_sum / m.itl_count > alone
 
 
+def test_ttft_counters_sum_each_requests_first_token_time() -> None:
+    """vLLM's time_to_first_token_seconds: one observation per request, submitted to first token
+    (what the discrete-event snapshots' interval-mean TTFT is made of)."""
+    m = EngineModel(TEST)
+    m.submit("a", prompt(60, 8), 3, 0.0)
+    m.submit("b", prompt(61, 28), 2, 0.05)
+    results, _ = drain(m)
+    done = finished(results)
+    assert m.ttft_count == 2
+    assert m.ttft_sum == pytest.approx(done["a"].ttft + done["b"].ttft)
+    firsts = {f.request_id: f.ttft for r in results for f in r.first_tokens}
+    assert m.ttft_sum == pytest.approx(sum(firsts.values()))
+
+
 # --- determinism, limits, estimates ------------------------------------------------------------
 
 
