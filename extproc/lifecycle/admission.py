@@ -334,11 +334,9 @@ class Admission:
         saturated (one more sequence there slows every running one, however warm it is)."""
         if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
             return candidates
-        saturated = request.model is not None and self.queue_length(request.model) > 0
-        if not saturated:
-            kept = tuple(u for u in candidates if self.headroom(u, predicted=False) > 0)
-            return kept if kept else candidates
         open_ = tuple(u for u in candidates if self.headroom(u, predicted=False) > 0) or candidates
+        if request.model is None or self.queue_length(request.model) == 0:  # not saturated
+            return open_
         with_room = [self.headroom(u) > 0 for u in open_]
         if not any(with_room):
             return open_

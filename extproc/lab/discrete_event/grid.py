@@ -42,6 +42,7 @@ from extproc.lab.bench.grid import (
     prefix_tokens,
 )
 from extproc.lab.bench.report import RequestRecord, summarize
+from extproc.lab.bench.workloads import Workload
 from extproc.lab.discrete_event.simulation import POLICIES, VARIANTS, Request, simulate, tokenize_requests
 from extproc.lab.engines.model import EngineModel
 from extproc.lab.engines.profiles import GpuProfile
@@ -86,6 +87,23 @@ def cold_prefill_s(profile: GpuProfile, prompt: Sequence[int]) -> float:
             return step.first_tokens[0].ttft
 
 
+def cell_fleet(
+    cell: Cell, probe: Workload, tokens: Sequence[list[int]]
+) -> tuple[int, list[GpuProfile], float]:
+    """(prefix tokens, one profile per engine, cold prefill seconds) of a cell, from its requests
+    (`probe`, at any rate: content does not depend on it) and their tokens: KV sized for the cell's
+    prefixes and at least the longest request, and the cold prefill of the median prompt on an idle
+    engine, mean over the fleet."""
+    prefix = prefix_tokens(cell, probe)
+    longest = max(
+        len(t) + int(r.body.get("max_tokens") or 0) for t, r in zip(tokens, probe.requests, strict=True)
+    )
+    profiles = cell_profiles(cell, prefix, longest)
+    median_prompt = sorted(tokens, key=len)[len(tokens) // 2]
+    cold = statistics.mean(cold_prefill_s(p, median_prompt) for p in profiles)
+    return prefix, profiles, cold
+
+
 def calibrate(cell: Cell, *, seed: int = 0, count_scale: float = 1.0) -> Calibration:
     """Requests, fleet, capacity, rate, unloaded p90 and cold prefill of one cell (module docstring)."""
     # Capacity, KV size and the floors are properties of the cell: always measured on its full request
@@ -95,11 +113,7 @@ def calibrate(cell: Cell, *, seed: int = 0, count_scale: float = 1.0) -> Calibra
     saturated = _requests(cell, SATURATION_RATE, full, seed)
     all_tokens = tokenize_requests(saturated)
     probe = make_cell_workload(cell, rate=1.0, count=full, seed=seed, model=MODEL)
-    prefix = prefix_tokens(cell, probe)
-    longest = max(
-        len(t) + int(b.get("max_tokens") or 0) for t, (_, b, _) in zip(all_tokens, saturated, strict=True)
-    )
-    profiles = cell_profiles(cell, prefix, longest)
+    prefix, profiles, cold = cell_fleet(cell, probe, all_tokens)
     run = simulate(saturated, profiles, "round-robin", tokens=all_tokens)
     capacity = saturated_capacity(run.records, len(profiles))
     rate = cell.load * capacity
@@ -110,8 +124,6 @@ def calibrate(cell: Cell, *, seed: int = 0, count_scale: float = 1.0) -> Calibra
     idle = simulate(unloaded, profiles, "round-robin", tokens=all_tokens[:unloaded_n])
     idle_p90 = summarize("unloaded", idle.records, idle.virtual_s).ttft_p90_ms
 
-    median_prompt = sorted(all_tokens, key=len)[len(all_tokens) // 2]
-    cold = statistics.mean(cold_prefill_s(p, median_prompt) for p in profiles)
     requests = _requests(cell, rate, count, seed)
     return Calibration(
         cell=cell,

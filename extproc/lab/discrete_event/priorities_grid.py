@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from extproc.lab.bench.grid import Cell, cell_profiles, cell_slo, grid, make_cell_workload, prefix_tokens
+from extproc.lab.bench.grid import Cell, cell_slo, grid, make_cell_workload
 from extproc.lab.bench.priorities import BENCH_ADMISSION, checks, is_good, policy_table, row_stats
 from extproc.lab.bench.report import RequestRecord, Slo
 from extproc.lab.bench.workloads import Workload, with_priorities
-from extproc.lab.discrete_event.grid import cold_prefill_s
+from extproc.lab.discrete_event.grid import cell_fleet
 from extproc.lab.discrete_event.simulation import simulate, tokenize_requests
 from extproc.lab.engines.profiles import GpuProfile
 
@@ -92,14 +91,8 @@ def setup(cell: Cell, *, seed: int = 0, count_scale: float = 2.0) -> CellSetup:
     the routing grid's by default: 20 % of them are critical, and their p99 needs a few hundred)."""
     count = cell.requests(count_scale)
     probe = make_cell_workload(cell, rate=1.0, count=count, seed=seed, model=MODEL)
-    requests = [(r.arrival_s, r.body, r.tag) for r in probe.requests]
-    tokens = tokenize_requests(requests)
-    longest = max(
-        len(t) + int(b.get("max_tokens") or 0) for t, (_, b, _) in zip(tokens, requests, strict=True)
-    )
-    profiles = cell_profiles(cell, prefix_tokens(cell, probe), longest)
-    median = sorted(tokens, key=len)[len(tokens) // 2]
-    cold = statistics.mean(cold_prefill_s(p, median) for p in profiles)
+    tokens = tokenize_requests([(r.arrival_s, r.body, r.tag) for r in probe.requests])
+    _, profiles, cold = cell_fleet(cell, probe, tokens)
     return CellSetup(cell, count, profiles, tokens, cell_slo(cold), cold, seed)
 
 
