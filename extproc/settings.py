@@ -145,12 +145,16 @@ class HeaderNames:
 # requests (the only signal without snapshots). At saturation sheddable requests get 429 at once,
 # standard ones wait in a fair queue (round robin over tenants) for at most `max_wait_s`, critical
 # ones are admitted. `max_wait_s` must stay below Envoy's ext_proc message_timeout (2 s in the
-# shipped envoy.yaml): Envoy gives up on a reply that takes longer.
+# shipped envoy.yaml): Envoy gives up on a reply that takes longer. A queue that has not been empty
+# for `overload_after_s` is overload, not a burst: its newest waiters go first and those older than
+# `overload_wait_s` get 429 at once (a first-come queue would only admit requests already late).
 DEFAULT_ADMISSION_MAX_WAITING_PER_WEIGHT = 16.0
 DEFAULT_ADMISSION_MAX_INFLIGHT_PER_WEIGHT = 256.0
 DEFAULT_ADMISSION_MAX_QUEUED = 1024
 DEFAULT_ADMISSION_MAX_WAIT_S = 1.5
 DEFAULT_ADMISSION_RETRY_AFTER_S = 1
+DEFAULT_ADMISSION_OVERLOAD_AFTER_S = 0.5
+DEFAULT_ADMISSION_OVERLOAD_WAIT_S: float | None = 0.25
 # A request decodes for seconds, so its TPOT is the mean over many of the engine's steps; one interval
 # holding a long prefill chunk reads several times the typical step. Admission's TPOT gate and the
 # `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: 2 s (four 0.5 s
@@ -183,6 +187,10 @@ class AdmissionSettings:
     tpot_window_s: float = DEFAULT_TPOT_WINDOW_S
     max_queued: int = DEFAULT_ADMISSION_MAX_QUEUED
     max_wait_s: float = DEFAULT_ADMISSION_MAX_WAIT_S
+    overload_after_s: float = DEFAULT_ADMISSION_OVERLOAD_AFTER_S
+    overload_wait_s: float | None = DEFAULT_ADMISSION_OVERLOAD_WAIT_S
+    """Once a model's queue has not been empty for `overload_after_s`, its waiters are served newest
+    first and those queued longer than this get 429 at once (None: FIFO up to `max_wait_s` always)."""
     retry_after_s: int = DEFAULT_ADMISSION_RETRY_AFTER_S
 
 
@@ -193,12 +201,23 @@ def admission_settings(raw: Any, where: str = "config: 'admission'") -> Admissio
     values: dict[str, Any] = {}
     if "enabled" in section:
         values["enabled"] = boolean(section["enabled"], f"{where}.enabled")
-    for key in ("max_waiting_per_weight", "max_inflight_per_weight", "max_wait_s", "tpot_window_s"):
+    for key in (
+        "max_waiting_per_weight",
+        "max_inflight_per_weight",
+        "max_wait_s",
+        "tpot_window_s",
+        "overload_after_s",
+    ):
         if key in section:
             values[key] = number(section[key], f"{where}.{key}", positive=True)
     if section.get("max_predicted_wait_s") is not None:
         values["max_predicted_wait_s"] = number(
             section["max_predicted_wait_s"], f"{where}.max_predicted_wait_s", positive=True
+        )
+    if "overload_wait_s" in section:
+        raw_wait = section["overload_wait_s"]
+        values["overload_wait_s"] = (
+            None if raw_wait is None else number(raw_wait, f"{where}.overload_wait_s", positive=True)
         )
     if section.get("max_tpot_s") is not None:
         values["max_tpot_s"] = number(section["max_tpot_s"], f"{where}.max_tpot_s", positive=True)

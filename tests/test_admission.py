@@ -170,6 +170,18 @@ def test_fair_queue_remove() -> None:
     assert [q.pop(), q.pop(), q.pop()] == [a, c, None]
 
 
+def test_fair_queue_newest_first_and_older_than() -> None:
+    q = FairQueue()
+    a1, a2, b3, a4 = waiter("a", 1), waiter("a", 2), waiter("b", 3), waiter("a", 4)
+    for w in (a1, a2, b3, a4):
+        q.push(w)
+    assert q.pop(newest=True) is a4  # a's turn, its newest; then b's
+    assert q.older_than(2.5) == [a1, a2]  # each tenant's oldest first, the round keeps b
+    assert len(q) == 1 and "a" not in q.tenants
+    assert q.older_than(2.5) == []
+    assert q.pop(newest=True) is b3 and q.pop() is None
+
+
 # -- admission through the lifecycle (own in-flight counts: no snapshots) ----------------------------
 async def test_saturation_sheds_sheddable_queues_standard_admits_critical() -> None:
     lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 5})
@@ -245,6 +257,81 @@ async def test_queue_timeout_is_429_and_bounded_queue() -> None:
     assert lc.admission.queued == 0
     assert count(lc, "standard", "shed", "queue_timeout") == 1
     assert count(lc, "standard", "shed", "queue_full") == 1
+
+
+async def test_an_overloaded_queue_serves_newest_first_and_sheds_the_stale() -> None:
+    """Once the queue has stayed non-empty for `overload_after_s`, arrivals outpace capacity: a FIFO
+    queue would then only hand out requests that already waited ~max_wait_s (late for any TTFT
+    objective). Served newest first, with waiters older than `overload_wait_s` shed at once, an
+    admitted request has waited little and the others learn it early."""
+    now = [0.0]
+    lc = lifecycle(
+        {"max_inflight_per_weight": 1, "max_wait_s": 5, "overload_after_s": 0.5, "overload_wait_s": 0.2}
+    )
+    lc.admission.clock = lambda: now[0]
+    held = [await route(lc), await route(lc)]  # one per cluster: saturated
+    stale = asyncio.create_task(route(lc, user="u"))
+    await settle()
+    now[0] = 0.3  # busy 0.3 s: a burst still, FIFO
+    assert not lc.admission.overloaded("m")
+    older = asyncio.create_task(route(lc, user="u"))
+    await settle()
+    now[0] = 0.6  # busy 0.6 s: overloaded; `stale` (0.6 s) and `older` (0.3 s) are past 0.2 s
+    fresh = asyncio.create_task(route(lc, user="u"))
+    await settle()
+    assert lc.admission.overloaded("m")
+    for task in (stale, older):
+        with pytest.raises(RequestError) as info:
+            await task
+        assert (info.value.status, info.value.code) == (429, "queue_timeout")
+        assert "overloaded" in info.value.message
+    assert lc.admission.queued == 1 and count(lc, "standard", "shed", "queue_timeout") == 2
+    now[0] = 0.65
+    newest = asyncio.create_task(route(lc, user="u"))
+    await settle()
+    lc.finish(held.pop(0), "response_end")  # one grant: the newest waiter, not the oldest
+    assert (await asyncio.wait_for(newest, 1)).request.user == "u"
+    assert not fresh.done() and lc.admission.queued == 1
+    lc.finish(held.pop(0), "response_end")
+    await asyncio.wait_for(fresh, 1)
+    assert lc.admission.queued == 0 and not lc.admission.overloaded("m")  # empty: the mode resets
+
+
+async def test_a_burst_shorter_than_overload_after_s_stays_fifo() -> None:
+    now = [0.0]
+    lc = lifecycle(
+        {"max_inflight_per_weight": 1, "max_wait_s": 5, "overload_after_s": 1.0, "overload_wait_s": 0.1}
+    )
+    lc.admission.clock = lambda: now[0]
+    held = [await route(lc), await route(lc)]
+    first = asyncio.create_task(route(lc, user="first"))
+    await settle()
+    now[0] = 0.5  # `first` waited past overload_wait_s, but the queue has been busy 0.5 s only
+    second = asyncio.create_task(route(lc, user="second"))
+    await settle()
+    lc.finish(held.pop(0), "response_end")
+    assert (await asyncio.wait_for(first, 1)).request.user == "first"
+    assert not second.done()
+    lc.finish(held.pop(0), "response_end")
+    await asyncio.wait_for(second, 1)
+
+
+async def test_overload_mode_off_keeps_fifo_up_to_max_wait() -> None:
+    now = [0.0]
+    lc = lifecycle({"max_inflight_per_weight": 1, "max_wait_s": 5, "overload_wait_s": None})
+    lc.admission.clock = lambda: now[0]
+    held = [await route(lc), await route(lc)]
+    first = asyncio.create_task(route(lc, user="a"))
+    await settle()
+    now[0] = 3.0
+    second = asyncio.create_task(route(lc, user="a"))
+    await settle()
+    assert not lc.admission.overloaded("m") and lc.admission.queued == 2
+    lc.finish(held.pop(0), "response_end")
+    await asyncio.wait_for(first, 1)
+    assert not second.done()
+    lc.finish(held.pop(0), "response_end")
+    await asyncio.wait_for(second, 1)
 
 
 async def test_client_gone_while_queued_leaves_the_queue() -> None:
@@ -519,6 +606,8 @@ def test_admission_settings_defaults_and_errors() -> None:
     assert s.max_wait_s < 2.0  # below Envoy's 2 s ext_proc message_timeout
     assert admission_settings({"enabled": True}).enabled
     assert admission_settings({"max_kv_usage": 0.9, "max_queued": 0}).max_queued == 0
+    assert s.overload_wait_s is not None and s.overload_wait_s < s.max_wait_s
+    assert admission_settings({"overload_wait_s": None}).overload_wait_s is None
     for bad in (
         {"max_wait_s": 0},
         {"max_queued": -1},
@@ -527,6 +616,8 @@ def test_admission_settings_defaults_and_errors() -> None:
         {"max_tpot_s": 0},
         {"tpot_window_s": 0},
         {"retry_after_s": 0},
+        {"overload_wait_s": 0},
+        {"overload_after_s": -1},
         {"max_wait": 1},
     ):
         with pytest.raises(ConfigError):
@@ -572,7 +663,8 @@ def test_des_admission_sheds_sheddable_first_and_counts_queue_time() -> None:
     first_sheddable = min(r.arrival_s for r in shed["sheddable"])  # shed on arrival
     assert all(r.arrival_s + r.e2e_s >= first_sheddable for r in shed["standard"])  # after waiting
     assert all(r.error == "queue_timeout" for r in shed["standard"])
-    # the queue's wait metric is in the run's virtual seconds: a timed-out waiter waited max_wait_s
+    # the queue's wait metric is in the run's virtual seconds: a waiter shed from the queue waited at
+    # least the overload wait (served newest first, the stale ones are shed then) and at most max_wait_s
     assert run.metrics is not None
     timeouts = run.metrics.registry.get_sample_value(
         "llm_extproc_admission_queue_wait_seconds_count", {"outcome": "timeout"}
@@ -580,7 +672,9 @@ def test_des_admission_sheds_sheddable_first_and_counts_queue_time() -> None:
     waited = run.metrics.registry.get_sample_value(
         "llm_extproc_admission_queue_wait_seconds_sum", {"outcome": "timeout"}
     )
-    assert timeouts == len(shed["standard"]) and waited == pytest.approx(1.5 * timeouts)
+    assert timeouts == len(shed["standard"])
+    assert waited == pytest.approx(sum(r.e2e_s for r in shed["standard"]))
+    assert all(0.25 <= r.e2e_s <= 1.5 for r in shed["standard"])
     # without admission (the default in this mode) everything is served
     plain = simulate(requests, profiles, "llm-extproc", headers=wl.headers)
     assert all(r.ok for r in plain.records)

@@ -48,6 +48,8 @@ def test_the_service_gets_the_bench_admission_in_real_seconds() -> None:
     assert admission["enabled"] is True
     assert admission["max_predicted_wait_s"] == pytest.approx(0.075)
     assert admission["max_wait_s"] == pytest.approx(0.75)
+    assert admission["overload_after_s"] == pytest.approx(0.25)  # the defaults (0.5 s, 0.25 s), halved
+    assert admission["overload_wait_s"] == pytest.approx(0.125)
     assert "max_tpot_s" not in admission
     assert service_admission(2.0, 0.1)["max_tpot_s"] == pytest.approx(0.05)
 

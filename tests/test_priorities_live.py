@@ -1,7 +1,8 @@
 """Priorities and shedding through real Envoy: a sheddable request at saturation gets 429 with
 Retry-After and an OpenAI-style body, a standard one waits in the service's queue and is served when
 capacity frees, a route can fix a class its clients cannot raise, and a client that goes away while
-queued leaves the queue. Saturation here is one in-flight request per cluster (no snapshots)."""
+queued leaves the queue, and an overloaded queue sheds its stale waiters at once and serves the newest.
+Saturation here is one in-flight request per cluster (no snapshots)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,15 @@ pytestmark = pytest.mark.envoy
 
 SHORT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 LONG = {**SHORT, "max_tokens": 60}  # 60 tokens x 10 ms: holds its engine ~0.6 s
-ADMISSION = {"enabled": True, "max_inflight_per_weight": 1, "max_wait_s": 1.5, "retry_after_s": 2}
+# First come, first served here (the overload mode, its own test below, would shed a waiter that a
+# slow machine kept past 0.25 s).
+ADMISSION = {
+    "enabled": True,
+    "max_inflight_per_weight": 1,
+    "max_wait_s": 1.5,
+    "retry_after_s": 2,
+    "overload_wait_s": None,
+}
 
 
 def batch_route(cfg: dict[str, Any]) -> None:
@@ -114,3 +123,34 @@ async def test_client_gone_while_queued_leaves_the_queue(stack: Stack) -> None:
         status, _, _ = await post(session, stack, SHORT)  # nothing left holding capacity
         assert status == 200
     assert admission(stack, "standard", "admitted", "dequeued") == 0
+
+
+async def test_an_overloaded_queue_sheds_its_stale_waiters(make_stack: Callable[..., Stack]) -> None:
+    """Busy past `overload_after_s`, the queue sheds waiters older than `overload_wait_s` at the next
+    arrival or finish, long before `max_wait_s`; the next request after the overload is served."""
+    overload = {**ADMISSION, "max_wait_s": 5.0, "overload_after_s": 0.1, "overload_wait_s": 0.2}
+    stack = make_stack(service=service_config(admission=overload))
+    for e in stack.engines.engines:
+        e.token_delay_s = 0.02  # LONG holds its engine ~1.2 s
+    async with aiohttp.ClientSession() as session:
+        held = await saturate(session, stack)
+        stale = asyncio.create_task(post(session, stack, SHORT, **{"x-user-id": "u"}))
+        assert await asyncio.to_thread(
+            wait_until, lambda: stack.metrics().get("llm_extproc_admission_queue_length") == 1, 5.0
+        )
+        await asyncio.sleep(0.35)  # the queue is overloaded (busy > 0.1 s), `stale` waited > 0.2 s
+        late = asyncio.create_task(post(session, stack, SHORT, **{"x-user-id": "u"}))
+        status, headers, body = await stale  # shed as `late` arrived
+        assert status == 429 and headers["retry-after"] == "2"
+        error = orjson.loads(body)["error"]
+        assert error["code"] == "queue_timeout" and "overloaded" in error["message"]
+        assert not late.done() and all(not t.done() for t in held)
+        # `late` waits for the first finish (~1 s): by then past 0.2 s, it is shed, not served
+        status, _, body = await late
+        assert status == 429 and orjson.loads(body)["error"]["code"] == "queue_timeout"
+        assert [(await t)[0] for t in held] == [200, 200]
+        assert await asyncio.to_thread(wait_until, lambda: stack.inflight() == 0, 5.0)
+        assert (await post(session, stack, SHORT))[0] == 200
+    assert admission(stack, "standard", "shed", "queue_timeout") == 2
+    assert admission(stack, "standard", "admitted", "dequeued") == 0
+    assert stack.metrics()["llm_extproc_admission_queue_length"] == 0

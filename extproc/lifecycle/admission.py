@@ -18,11 +18,16 @@ not the prefill queue, that decides whether requests meet their objective). Then
   `queue_timeout` after `max_wait_s`, 429 `queue_full` when `max_queued` wait already;
 - critical: admitted, over the threshold if need be (never queued, never shed here).
 
-A queued request never overtakes: while a model's queue is not empty, standard arrivals queue behind
-it and sheddable ones are shed. The queue is event-loop safe (asyncio futures, no thread waits) and a
-waiter whose client goes away (its stream is cancelled) leaves it. The same object serves the
-discrete-event mode, which drives it with virtual-time callbacks instead of futures (`enqueue`,
-`expire`, `started`, `abandon`).
+Once the queue has not been empty for `overload_after_s` (overload, not a burst), each tenant's
+newest waiter goes first and waiters older than `overload_wait_s` get 429 `queue_timeout` at the
+next arrival or finish: first come, first served, every admitted request would have waited
+~`max_wait_s` already (adaptive LIFO; docs/benchmarks.md, "Overload: newest waiters first").
+
+A new arrival never overtakes the queue: while a model's queue is not empty, standard arrivals
+queue behind it and sheddable ones are shed. The queue is event-loop safe (asyncio futures, no
+thread waits) and a waiter whose client goes away (its stream is cancelled) leaves it. The same
+object serves the discrete-event mode, which drives it with virtual-time callbacks instead of
+futures (`enqueue`, `expire`, `started`, `abandon`).
 """
 
 from __future__ import annotations
@@ -189,6 +194,8 @@ class FairQueue:
 
     tenants: dict[str, deque[Waiter]] = field(default_factory=dict)
     size: int = 0
+    busy_since: float = 0.0  # when it last went from empty to not empty
+    swept_at: float = 0.0  # when waiters past the overload wait were last shed
 
     def __len__(self) -> int:
         return self.size
@@ -200,17 +207,30 @@ class FairQueue:
         q.append(waiter)
         self.size += 1
 
-    def pop(self) -> Waiter | None:
-        """The next tenant's oldest waiter; that tenant moves to the back of the round."""
+    def pop(self, newest: bool = False) -> Waiter | None:
+        """The next tenant's oldest waiter (its newest with `newest`); that tenant moves to the back
+        of the round."""
         if not self.tenants:
             return None
         tenant = next(iter(self.tenants))
         q = self.tenants.pop(tenant)
-        waiter = q.popleft()
+        waiter = q.pop() if newest else q.popleft()
         if q:
             self.tenants[tenant] = q  # re-inserted: last in the round
         self.size -= 1
         return waiter
+
+    def older_than(self, since: float) -> list[Waiter]:
+        """Remove and return the waiters queued before `since` (each tenant's are in arrival order)."""
+        out: list[Waiter] = []
+        for tenant in [t for t, q in self.tenants.items() if q[0].since < since]:
+            q = self.tenants[tenant]
+            while q and q[0].since < since:
+                out.append(q.popleft())
+            if not q:
+                del self.tenants[tenant]
+        self.size -= len(out)
+        return out
 
     def remove(self, waiter: Waiter) -> bool:
         q = self.tenants.get(waiter.tenant)
@@ -399,12 +419,51 @@ class Admission:
         waiter = Waiter(model, tenant, klass, self.clock(), notify)
         q = self._queues.get(model)
         if q is None:
-            q = self._queues[model] = FairQueue()
+            q = self._queues[model] = FairQueue(busy_since=waiter.since)
+        elif not q and not self._recently_swept(q):
+            q.busy_since = waiter.since  # left empty by a sweep long ago: a new busy period
         q.push(waiter)
         self._queued += 1
         self._count(klass, "queued", "saturated")
         self._gauge()
+        self._sweep(model, q)
         return waiter
+
+    def overloaded(self, model: str) -> bool:
+        """The model's queue has not been empty for `overload_after_s`: arrivals outpace capacity,
+        not a burst. Its waiters are then served newest first and shed past `overload_wait_s`."""
+        s = self.settings
+        q = self._queues.get(model)
+        if s.overload_wait_s is None or q is None:
+            return False
+        return self.clock() - q.busy_since >= s.overload_after_s
+
+    def _recently_swept(self, q: FairQueue) -> bool:
+        """A sweep emptied `q` less than `overload_after_s` ago: the overload it found goes on."""
+        s = self.settings
+        return s.overload_wait_s is not None and self.clock() - q.swept_at < s.overload_after_s
+
+    def _sweep(self, model: str, q: FairQueue) -> None:
+        """While overloaded: 429 `queue_timeout` for the waiters queued longer than `overload_wait_s`
+        (at most every quarter of it). Served newest first, they would only ever time out."""
+        wait = self.settings.overload_wait_s
+        if wait is None or not self.overloaded(model):
+            return
+        now = self.clock()
+        if now - q.swept_at < wait / 4:
+            return
+        q.swept_at = now
+        late = q.older_than(now - wait)
+        if not late:
+            return
+        self._queued -= len(late)  # an emptied queue stays: the fleet is still overloaded
+        self._gauge()
+        for waiter in late:
+            waiter.state = WaiterState.DONE
+            self._time_out(
+                waiter,
+                f"The fleet is overloaded: this request waited {wait:g} s without capacity freeing for it.",
+            )
 
     def dispatch(self, model: str | None) -> int:
         """Grant capacity to queued waiters of `model` while it has room (a lease was released, or
@@ -412,9 +471,13 @@ class Admission:
         if model is None:
             return 0
         q = self._queues.get(model)
+        if q is None:
+            return 0
+        self._sweep(model, q)
+        newest = self.overloaded(model)
         woken = 0
         while q and self.room(model) > 0:
-            waiter = q.pop()
+            waiter = q.pop(newest)
             if waiter is None:
                 break
             self._queued -= 1
@@ -422,8 +485,8 @@ class Admission:
             self._granted[model] = self._granted.get(model, 0) + 1
             woken += 1
             waiter.notify(None)
-        if q is not None and not q:
-            del self._queues[model]
+        if not q and (woken or not self._recently_swept(q)):
+            del self._queues[model]  # served to the end: the busy period is over
         if woken:
             self._gauge()
         return woken
@@ -443,14 +506,17 @@ class Admission:
         """`max_wait_s` has passed: a still-queued waiter leaves with 429 `queue_timeout`."""
         if waiter.state is not WaiterState.QUEUED or not self._remove(waiter):
             return False
-        err = self._shed(
-            waiter.klass,
-            "queue_timeout",
+        self._time_out(
+            waiter,
             f"The fleet stayed saturated for {self.settings.max_wait_s:g} s while this request waited.",
         )
+        return True
+
+    def _time_out(self, waiter: Waiter, message: str) -> None:
+        """A waiter taken off the queue unserved: 429 `queue_timeout`, counted and told."""
+        err = self._shed(waiter.klass, "queue_timeout", message)
         self._wait(waiter, "timeout")
         waiter.notify(err)
-        return True
 
     def abandon(self, waiter: Waiter) -> None:
         """The client went away: leave the queue, or hand a grant not yet used to the next waiter."""

@@ -51,6 +51,7 @@ from extproc.lab.bench.priorities import (
 from extproc.lab.bench.report import Slo
 from extproc.lab.bench.scenarios import peer_missing, run_live_requests
 from extproc.lab.engines.profiles import PROFILES
+from extproc.settings import AdmissionSettings
 
 # Row name -> the live policy that runs it (llm-extproc rows differ in what the requests carry).
 ROWS = {
@@ -83,10 +84,14 @@ class LiveConfig:
 def service_admission(time_scale: float, max_tpot_s: float | None = None) -> dict[str, Any]:
     """The bench's admission with its times in real seconds; with `max_tpot_s` (virtual), the TPOT
     gate."""
+    defaults = AdmissionSettings()
+    wait = defaults.overload_wait_s
     admission = {
         **BENCH_ADMISSION,
         "max_predicted_wait_s": BENCH_ADMISSION["max_predicted_wait_s"] / time_scale,
         "max_wait_s": BENCH_ADMISSION["max_wait_s"] / time_scale,
+        "overload_after_s": defaults.overload_after_s / time_scale,
+        "overload_wait_s": None if wait is None else wait / time_scale,
     }
     if max_tpot_s is not None:
         admission["max_tpot_s"] = max_tpot_s / time_scale

@@ -14,8 +14,9 @@ not used), its requests get priority classes (20 % critical, 50 % standard, 30 %
   llm-extproc without admission, the peer routers and exact-ttft. Not exact-ttft's alone, which
   scatters tenants under KV pressure and would put "120 %" below what a cache-aware router serves
   with room to spare;
-- every row runs at 50 %, 120 % and 160 % of it: llm-extproc with the bench's admission, without
-  admission, and every reference, each on a fresh fleet;
+- every row runs at 50 %, 120 % and 160 % of it: llm-extproc with the bench's admission, with it
+  and the TPOT gate (`max_tpot_s` at the SLO's TPOT), without admission, and every reference, each
+  on a fresh fleet;
 - the checks of `extproc.lab.bench.priorities` at 120 %.
 
 Writes `priorities-grid.json` and `priorities-grid.md`.
@@ -33,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from extproc.lab.bench.grid import Cell, cell_slo, grid, make_cell_workload
-from extproc.lab.bench.priorities import BENCH_ADMISSION, checks, is_good, policy_table, row_stats
+from extproc.lab.bench.priorities import (
+    BENCH_ADMISSION,
+    TPOT_GATE_ROW,
+    checks,
+    is_good,
+    policy_table,
+    row_stats,
+)
 from extproc.lab.bench.report import RequestRecord, Slo
 from extproc.lab.bench.workloads import Workload, with_priorities
 from extproc.lab.discrete_event.grid import cell_fleet
@@ -127,7 +135,10 @@ def run_cell(
     capacity = max(capacities.values())
     each = ", ".join(f"{k} {v:.2f}" for k, v in capacities.items())
     log(f"{cs.cell.name}: capacity {capacity:.2f} req/s ({each})")
-    rows: list[tuple[str, str, dict[str, Any] | None]] = [(OURS, OURS, admission), (NO_ADMISSION, OURS, None)]
+    rows: list[tuple[str, str, dict[str, Any] | None]] = [(OURS, OURS, admission)]
+    if admission.get("max_tpot_s") is None:  # the TPOT gate at the SLO's TPOT, as in the 4-A10G bench
+        rows.append((TPOT_GATE_ROW, OURS, {**admission, "max_tpot_s": cs.slo.tpot_s}))
+    rows.append((NO_ADMISSION, OURS, None))
     rows += [(p, p, None) for p in REFERENCES]
     runs: dict[str, dict[str, Any]] = {}
     for load in loads:
@@ -149,6 +160,9 @@ def run_cell(
         "admission": admission,
         "loads": runs,
         "checks": checks(runs, loads, REFERENCES),
+        "checks_tpot_gate": checks(runs, loads, REFERENCES, TPOT_GATE_ROW)
+        if TPOT_GATE_ROW in runs[f"{loads[0]:g}"]["policies"]
+        else None,
         "wall_s": time.perf_counter() - started,
     }
     log(cell_line(result))
@@ -160,8 +174,10 @@ def cell_line(result: dict[str, Any]) -> str:
     ratio = ch["critical_ttft_p99_ratio"]
     steady = ch["critical_ttft_steady_ratio"]
     high = result["loads"]["1.2"]["policies"]
+    gated = result.get("checks_tpot_gate")
+    gate = f"+ TPOT gate {gated['goodput_rps']:.2f}; " if gated else ""
     return (
-        f"  {result['cell']}: at 120 % goodput {ch['goodput_rps']:.2f}/s (no admission "
+        f"  {result['cell']}: at 120 % goodput {ch['goodput_rps']:.2f}/s ({gate}no admission "
         f"{high[NO_ADMISSION]['goodput_rps']:.2f}; best peer {ch['best_peer']} "
         f"{ch['best_peer_goodput_rps']:.2f}), "
         f"critical p99 x{ratio if ratio is not None else float('nan'):.2f} "
@@ -177,20 +193,38 @@ def markdown(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Seed {meta['seed']}; admission {meta['admission']}; capacity = the best router's rate with 95 % "
         "of requests within the SLO; checks at 120 % of it (issue 11).",
         "",
-        "| cell | capacity req/s | goodput at 120 %: llm-extproc / no admission / best peer | at 160 % | "
+    ]
+    for row, key in ((OURS, "checks"), (TPOT_GATE_ROW, "checks_tpot_gate")):
+        if any(r.get(key) for r in results):
+            lines += [f"## {row}", "", *_summary(results, row, key), ""]
+    for r in results:
+        lines += [f"## {r['cell']}: {r['describe']}", ""]
+        for load, run in r["loads"].items():
+            lines += [f"### {float(load):.0%} load ({run['rate_rps']:.2f} req/s)", ""]
+            lines += policy_table(run["policies"])
+            lines.append("")
+    return "\n".join(lines)
+
+
+def _summary(results: Sequence[dict[str, Any]], row: str, key: str) -> list[str]:
+    """One line per cell: `row`'s checks (`key`) and goodput beside no admission and the best peer."""
+    lines = [
+        f"| cell | capacity req/s | goodput at 120 %: {row} / no admission / best peer | at 160 % | "
         "critical p99 x (whole run / after warm-up) | shed critical / standard / sheddable | "
         "sheddable first | goodput >= peers |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        ch = r["checks"]
+        ch = r.get(key)
+        if not ch:
+            continue
         at = {k: v["policies"] for k, v in r["loads"].items()}
         deep = at.get("1.6")
         peers160 = ""
         if deep is not None:
             best = max((deep[p]["goodput_rps"], p) for p in REFERENCES if p != "exact-ttft")
             peers160 = (
-                f"{deep[OURS]['goodput_rps']:.2f} / {deep[NO_ADMISSION]['goodput_rps']:.2f} / {best[0]:.2f}"
+                f"{deep[row]['goodput_rps']:.2f} / {deep[NO_ADMISSION]['goodput_rps']:.2f} / {best[0]:.2f}"
             )
         ratio = ch["critical_ttft_p99_ratio"]
         steady = ch["critical_ttft_steady_ratio"]
@@ -203,14 +237,7 @@ def markdown(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{ch['critical_shed']} / {ch['standard_shed']} / {ch['sheddable_shed']} | "
             f"{'yes' if ch['sheddable_shed_first'] else 'NO'} | {'yes' if ch['goodput_ok_peers'] else 'NO'} |"
         )
-    lines.append("")
-    for r in results:
-        lines += [f"## {r['cell']}: {r['describe']}", ""]
-        for load, run in r["loads"].items():
-            lines += [f"### {float(load):.0%} load ({run['rate_rps']:.2f} req/s)", ""]
-            lines += policy_table(run["policies"])
-            lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def run_grid(

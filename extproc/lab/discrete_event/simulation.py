@@ -353,16 +353,19 @@ class ExtprocPolicy:
     def admits(self) -> bool:
         return self.config.admission.enabled
 
-    def admit(self, req: Pending, body: dict[str, Any], granted: Callable[[Pending], None]) -> bool:
+    def admit(
+        self, req: Pending, body: dict[str, Any], granted: Callable[[Pending, RequestError | None], None]
+    ) -> bool:
         """The service's admission for one arrival, in virtual time: True to route it now; False
-        when it waits in the queue (`granted(req)` is called when capacity frees for it). Raises the
-        429 of a request shed at once."""
+        when it waits in the queue (`granted(req, None)` is called when capacity frees for it,
+        `granted(req, error)` when admission sheds it from the queue). Raises the 429 of a request
+        shed at once."""
         req.replica = next(self._turn)
         lifecycle = self.replicas[req.replica].lifecycle
         req.request = self._prepare(lifecycle, req, body)
         if lifecycle.admission.decide(req.request) is Verdict.ADMIT:
             return True
-        req.waiter = lifecycle.admission.enqueue(req.request, lambda err: None if err else granted(req))
+        req.waiter = lifecycle.admission.enqueue(req.request, lambda err: granted(req, err))
         return False
 
     def expire(self, req: Pending) -> bool:
@@ -569,14 +572,20 @@ def simulate(
 
     # Event queue: (time, order, kind, payload). Kinds: 0 publish, 1 step end, 2 arrival,
     # 3 replica sync heartbeat tick, 4 a sync message delivered (payload: its key in `in_transit`),
-    # 5 a queued request granted capacity by admission, 6 a queued request's deadline,
+    # 5 a queued request granted capacity by admission, 6 a queued request's deadline (or its shed),
     # 7 one replica's scheduled sync message (payload: the replica), 8 the KV-event publisher's
     # flush, 9 its delta delivered (payload: its key in `in_transit_kv`).
     admits = extproc is not None and extproc.admits
     queued: dict[int, Pending] = {}  # waiting in the admission queue, by request index
 
-    def granted(req: Pending) -> None:
-        heapq.heappush(events, (now, next(seq), 5, req.index))
+    swept: dict[int, str] = {}  # queued requests admission shed (not at their deadline): the 429's code
+
+    def granted(req: Pending, err: RequestError | None) -> None:
+        if err is None:
+            heapq.heappush(events, (now, next(seq), 5, req.index))
+        else:
+            swept[req.index] = err.code or "shed"
+            heapq.heappush(events, (now, next(seq), 6, req.index))
 
     seq = itertools.count()
     events: list[tuple[float, int, int, int]] = []
@@ -641,8 +650,9 @@ def simulate(
             extproc.deliver_kv(in_transit_kv.pop(payload))
         elif kind == 6 and extproc is not None:  # a queued request's max wait is over
             req = queued.pop(payload, None)
-            if req is not None and extproc.expire(req):
-                records.append(_failed(req, 429, "queue_timeout"))
+            code = swept.pop(payload, None)
+            if req is not None and (code is not None or extproc.expire(req)):
+                records.append(_failed(req, 429, code or "queue_timeout"))
                 records[-1].e2e_s = now - req.arrival  # when the 429 went out
                 remaining -= 1
         elif kind in (2, 5):
