@@ -171,6 +171,7 @@ def _sim(args: argparse.Namespace) -> int:
             args.time_scale,
             kv_events_port=args.kv_events_port,
             kv_events_topic=args.kv_events_topic,
+            scheduling_policy=args.scheduling_policy,
         )
     )
     return 0
@@ -623,6 +624,13 @@ def build_parser() -> argparse.ArgumentParser:
         "port; needs --profile); `llm-extproc publish` subscribes with `kv_events:` per instance",
     )
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events (vLLM's default: '')")
+    p.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="vLLM's --scheduling-policy: 'priority' serves the body's `priority` field lower-first "
+        "(the service's `engine_priority:` sets it); 'fcfs' refuses a non-zero priority with 400",
+    )
     p.set_defaults(func=_sim)
 
     p = sub.add_parser("demo", help="Envoy + llm-extproc + simulated engines, side by side with round robin")

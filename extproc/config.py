@@ -38,11 +38,13 @@ from extproc.settings import (
     RELEASE_MODES,
     AdmissionSettings,
     ConfigError,
+    EnginePriority,
     HeaderNames,
     RedisSettings,
     admission_settings,
     boolean,
     check_keys,
+    engine_priority_settings,
     integer,
     listen_address,
     mapping,
@@ -159,6 +161,9 @@ class ServiceConfig:
     """Decision explanation (`explain:`): the x-llm-decision header and /debug/decisions; off by default."""
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     """Priorities, shedding and the fair admission queue (`admission:`; lifecycle/admission.py)."""
+    engine_priority: EnginePriority | None = None
+    """Each request's class written into its body for the engines' own scheduler (`engine_priority:`);
+    None: the body is forwarded untouched."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
@@ -197,6 +202,7 @@ _SECTIONS = (
     "sync",
     "explain",
     "admission",
+    "engine_priority",
     "discovery",
 )
 
@@ -316,6 +322,7 @@ def config_from_dict(
         sync=_sync(raw.get("sync")),
         explain=explain_settings(raw.get("explain")),
         admission=admission_settings(raw.get("admission")),
+        engine_priority=engine_priority_settings(raw.get("engine_priority")),
         tokenizers=tokenizers,
         fleet=fleet,
         pool=pool,

@@ -232,6 +232,46 @@ def admission_settings(raw: Any, where: str = "config: 'admission'") -> Admissio
     return AdmissionSettings(**values)
 
 
+@dataclass(slots=True, frozen=True)
+class EnginePriority:
+    """`engine_priority:` in the service YAML: write each request's priority class into its body, as
+    the number the engines schedule by, so an engine serves a critical request ahead of its own queue.
+
+    vLLM reads the body's `priority` (lower runs first; only with `--scheduling-policy priority`,
+    otherwise a non-zero value is a 400), hence the defaults. For an engine that runs higher values
+    first, swap the numbers. The client's own value for the field is overwritten: its class comes
+    from the priority header and the route, which it cannot raise past the route's cap."""
+
+    field: str = "priority"
+    critical: int = -1
+    standard: int = 0
+    sheddable: int = 1
+
+    def value(self, priority: int) -> int:
+        """The engine's number for a request's priority (the header's integer: > 0 critical)."""
+        if priority > 0:
+            return self.critical
+        return self.sheddable if priority < 0 else self.standard
+
+
+def engine_priority_settings(raw: Any, where: str = "config: 'engine_priority'") -> EnginePriority | None:
+    """None (off) when absent or null; `{}` turns it on with vLLM's numbers."""
+    if raw is None:
+        return None
+    section = mapping(raw, where)
+    check_keys(section, EnginePriority.__dataclass_fields__, where)
+    values: dict[str, Any] = {}
+    if "field" in section:
+        name = string(section["field"], f"{where}.field")
+        if not name.isidentifier():
+            raise ConfigError(f"{where}.field must be a JSON field name like 'priority', not {name!r}")
+        values["field"] = name
+    for key in ("critical", "standard", "sheddable"):
+        if key in section:
+            values[key] = integer(section[key], f"{where}.{key}")
+    return EnginePriority(**values)
+
+
 # -- fleet state (Redis feed and view) -------------------------------------------------------------
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 REBUILD_EVERY_S = 0.05  # coalesce bursts of snapshots into one rebuild of the derived tables

@@ -242,6 +242,7 @@ def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
     TPOT gate sheds sheddable requests at 160 %, never critical ones."""
     from extproc.lab.discrete_event.priorities import (
         DECODE_SPEED_ROW,
+        ENGINE_PRIORITY_ROW,
         TPOT_GATE_ROW,
         TPOT_OBJECTIVE_ROW,
         BenchConfig,
@@ -255,6 +256,7 @@ def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
         "llm-extproc",
         DECODE_SPEED_ROW,
         TPOT_GATE_ROW,
+        ENGINE_PRIORITY_ROW,
         TPOT_OBJECTIVE_ROW,
         "llm-extproc (no admission)",
         "round-robin",
@@ -265,6 +267,11 @@ def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
     assert result["checks"]["goodput_rps"] == rows["llm-extproc"]["goodput_rps"]
     gate = rows[TPOT_GATE_ROW]["classes"]
     assert gate["sheddable"]["shed"] > 0 and gate["critical"]["shed"] == 0
+    # the gate again on engines that schedule by priority: every request accounted for, none failed
+    # (engines left on FCFS would refuse the critical and sheddable bodies with 400)
+    prio = rows[ENGINE_PRIORITY_ROW]
+    assert prio["errors"] == 0 and prio["classes"]["critical"]["shed"] == 0
+    assert result["checks_engine_priority"]["goodput_rps"] == prio["goodput_rps"]
     # every class carries the objective, so every class can be shed for it (and is, at 160 %)
     asked = rows[TPOT_OBJECTIVE_ROW]["classes"]
     assert all(asked[k]["shed"] > 0 for k in ("critical", "standard", "sheddable")), asked

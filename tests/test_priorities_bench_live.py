@@ -16,7 +16,7 @@ from aiohttp import web
 from builders import serve_http
 
 from extproc.lab.bench.loadgen import open_loop
-from extproc.lab.bench.priorities import CLASSES, TPOT_OBJECTIVE_ROW
+from extproc.lab.bench.priorities import CLASSES, ENGINE_PRIORITY_ROW, TPOT_OBJECTIVE_ROW
 from extproc.lab.bench.priorities_live import LiveConfig, run_live, service_admission
 from extproc.lab.bench.report import Slo
 
@@ -58,7 +58,9 @@ def test_the_service_gets_the_bench_admission_in_real_seconds() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 async def test_a_short_live_run_accounts_for_every_request(tmp_path: Path) -> None:
-    rows = ("llm-extproc", TPOT_OBJECTIVE_ROW, "round-robin")
+    # The engine-priority row: the service writes each class's number into the bodies, and its
+    # engines take them (engines left on FCFS would answer 400, counted in errors).
+    rows = ("llm-extproc", TPOT_OBJECTIVE_ROW, ENGINE_PRIORITY_ROW, "round-robin")
     # An objective no engine meets once it reports (1 ms of virtual time a token): requests that
     # carry it are shed as soon as the engines' figures arrive, which shows the header got through.
     cfg = LiveConfig(count=60, loads=(0.5, 1.2), rows=rows, time_scale=4.0, slo=Slo(1.0, 0.001))
@@ -80,4 +82,4 @@ async def test_a_short_live_run_accounts_for_every_request(tmp_path: Path) -> No
         for k in CLASSES
     )
     assert shed > 0  # the objective reached the service
-    assert {"checks", "checks_tpot_objective"} <= set(result)
+    assert {"checks", "checks_tpot_objective", "checks_engine_priority"} <= set(result)

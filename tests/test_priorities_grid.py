@@ -21,7 +21,13 @@ def test_a_cell_runs_every_row_at_every_load_against_the_best_routers_capacity()
     assert result["capacity_rps"] == max(result["capacities"].values()) > 0
     for load, run in result["loads"].items():
         assert run["rate_rps"] == pytest.approx(result["capacity_rps"] * float(load))
-        assert set(run["policies"]) == {pg.OURS, pg.TPOT_GATE_ROW, pg.NO_ADMISSION, *pg.REFERENCES}
+        assert set(run["policies"]) == {
+            pg.OURS,
+            pg.TPOT_GATE_ROW,
+            pg.ENGINE_PRIORITY_ROW,
+            pg.NO_ADMISSION,
+            *pg.REFERENCES,
+        }
         for row in run["policies"].values():
             classes = row["classes"]
             # every request is accounted for: served, shed with a 429, or failed otherwise
@@ -30,7 +36,7 @@ def test_a_cell_runs_every_row_at_every_load_against_the_best_routers_capacity()
             assert row["errors"] == 0
         # only llm-extproc with admission sheds
         for name, row in run["policies"].items():
-            if name not in (pg.OURS, pg.TPOT_GATE_ROW):
+            if name not in (pg.OURS, pg.TPOT_GATE_ROW, pg.ENGINE_PRIORITY_ROW):
                 assert all(c["shed"] == 0 for c in row["classes"].values())
     ch = result["checks"]
     assert ch["no_critical_shed"] and ch["critical_shed"] == 0
@@ -41,8 +47,13 @@ def test_a_cell_runs_every_row_at_every_load_against_the_best_routers_capacity()
     assert ch["best_peer"] in pg.REFERENCES
     assert lines[0].startswith("tiny: capacity") and "at 120 %" in lines[1]
     text = pg.markdown([result], {"seed": 0, "admission": result["admission"]})
-    assert text.count("| tiny (") == 2 and "### 120% load" in text  # a summary line per llm-extproc row
+    assert text.count("| tiny (") == 3 and "### 120% load" in text  # a summary line per llm-extproc row
     assert f"## {pg.TPOT_GATE_ROW}" in text
+    prio = result["checks_engine_priority"]
+    assert prio["no_critical_shed"] and prio["goodput_rps"] == pytest.approx(
+        result["loads"]["1.2"]["policies"][pg.ENGINE_PRIORITY_ROW]["goodput_rps"]
+    )
+    assert f"## {pg.ENGINE_PRIORITY_ROW}" in text
     assert text.count(f"| {pg.NO_ADMISSION} |") == 2  # one row per load
 
 

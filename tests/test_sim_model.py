@@ -165,6 +165,50 @@ def test_preemption_when_blocks_run_out() -> None:
     assert m.kv_usage == 0.0
 
 
+def test_priority_policy_admits_by_priority_then_arrival() -> None:
+    m = EngineModel(TEST, scheduling_policy="priority")  # max_num_seqs 4
+    order = [("s0", 1), ("s1", 0), ("s2", 0), ("s3", 0), ("late", 0), ("crit", -1), ("low", 1), ("s5", 0)]
+    for i, (rid, prio) in enumerate(order[:4]):
+        m.submit(rid, prompt(70 + i, 4), 3, 0.0, priority=prio)
+    first = m.step(0.0)
+    assert first is not None
+    for i, (rid, prio) in enumerate(order[4:]):
+        m.submit(rid, prompt(74 + i, 4), 3, first.ended_at, priority=prio)
+    rest, _ = drain(m, first.ended_at)
+    results = [first, *rest]
+    admitted = [rid for r in results for rid in r.admitted]
+    # The first four fill the slots (the sheddable s0 last, and it keeps its slot: a waiting request
+    # never preempts); then the critical request jumps the queue and the sheddable one goes last.
+    assert admitted == ["s1", "s2", "s3", "s0", "crit", "late", "s5", "low"]
+    assert sorted(finished(results)) == sorted(rid for rid, _ in order)
+
+
+def test_fcfs_policy_keeps_arrival_order_and_rejects_priorities() -> None:
+    m = EngineModel(TEST)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        m.submit("a", prompt(80, 4), 3, 0.0, priority=-1)
+    m.submit("b", prompt(81, 4), 3, 0.0, priority=0)  # 0 is the default and always accepted
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineModel(TEST, scheduling_policy="lifo")
+
+
+def test_priority_policy_preempts_the_lowest_priority_even_when_already_scheduled() -> None:
+    m = EngineModel(TEST, scheduling_policy="priority")  # 32 blocks: four sequences growing to 48 need 48
+    prios = {"r0": 1, "r1": -1, "r2": 0, "r3": -1}  # r0, admitted first, is the sheddable one
+    for i, (rid, prio) in enumerate(prios.items()):
+        m.submit(rid, prompt(90 + i, 8), 40, 0.0, priority=prio)
+    results, _ = drain(m)
+    preempted = [rid for r in results for rid in r.preempted]
+    assert preempted and preempted[0] == "r0"  # not r3, the most recently admitted (FCFS's victim)
+    assert "r1" not in preempted and "r3" not in preempted  # the critical ones are never the victims
+    done = finished(results)
+    assert sorted(done) == sorted(prios)
+    for rid in prios:  # a victim that was already scheduled in its step neither repeats nor skips tokens
+        assert [e.index for r in results for e in r.tokens if e.request_id == rid] == list(range(40))
+    assert max(done["r1"].latency, done["r3"].latency) < done["r0"].latency
+    assert m.kv_usage == 0.0
+
+
 # --- step time ---------------------------------------------------------------------------------
 
 

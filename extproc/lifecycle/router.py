@@ -27,7 +27,7 @@ from extproc.lifecycle.admission import (
 )
 from extproc.lifecycle.bodies import BodyParser
 from extproc.lifecycle.endpoints import explained, in_subset, ranked_fallbacks
-from extproc.openai import InferenceRequest, RequestError, RequestHead, bodyless_request, parse_head
+from extproc.openai import Api, InferenceRequest, RequestError, RequestHead, bodyless_request, parse_head
 from extproc.openai.errors import (
     bad_request,
     body_too_large,
@@ -36,6 +36,7 @@ from extproc.openai.errors import (
     unknown_model,
 )
 from extproc.openai.parse import MODEL_APIS, parse_request
+from extproc.openai.rewrite import set_field
 from extproc.scheduling import Profile, profile_from_config
 from extproc.scheduling.explain import DecisionLog, Explanation, new_explanation
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
@@ -50,6 +51,8 @@ from extproc.tokenization import (
 )
 
 log = logging.getLogger("extproc.lifecycle")
+# Requests whose body gets the engine priority: vLLM's chat and completions requests carry the field.
+ENGINE_PRIORITY_APIS = frozenset({Api.CHAT, Api.COMPLETION})
 # Hash a prompt's blocks on a worker thread from this many blocks (~2 us each: 0.5 ms of the loop).
 OFFLOAD_HASH_BLOCKS = 256
 
@@ -222,6 +225,18 @@ class RequestLifecycle:
         await self.admission.admit(request)
         started += time.perf_counter() - waited  # the decision time does not count the queue
         return self._routed(self._schedule(request, profile, started, explain, subset), body)
+
+    async def engine_body(self, request: InferenceRequest, body: bytes | None) -> bytes | None:
+        """The body with the request's engine priority written in (`engine_priority:`), or None
+        when it goes unchanged: the setting is off, or the API has no such field. A big body is
+        rewritten on a worker thread (a parse and dump of 15 MB would hold the loop ~30 ms)."""
+        ep = self.config.engine_priority
+        if ep is None or not body or request.api not in ENGINE_PRIORITY_APIS:
+            return None
+        value = ep.value(request.priority)
+        if self.bodies.is_big(body):
+            return await asyncio.to_thread(set_field, body, ep.field, value)
+        return set_field(body, ep.field, value)
 
     def _routed(self, decision: Decision, body: bytes | None) -> Decision:
         """A big body's prompt is not kept while the request runs (plugins have seen it: their

@@ -35,11 +35,14 @@ def routing_mutation(
     stream: bool = False,
     decision: str | None = None,
     fallbacks: Sequence[Upstream] = (),
+    content_length: int | None = None,
 ) -> pb.HeaderMutation:
-    """Set the destination (plus the access-log ticket, the streaming mark routes match on, and the
-    decision explanation envoy.yaml copies onto the response); in cluster mode also remove any
-    endpoint header a client smuggled in."""
+    """Set the destination (plus the access-log ticket, the streaming mark routes match on, the
+    decision explanation envoy.yaml copies onto the response, and the length of a rewritten body);
+    in cluster mode also remove any endpoint header a client smuggled in."""
     sets = [_set(names.destination_cluster, upstream.cluster)]
+    if content_length is not None:
+        sets.append(_set("content-length", str(content_length)))
     if decision is not None:
         sets.append(_set(DECISION_HEADER, decision))
     if ticket is not None:

@@ -182,16 +182,28 @@ class RequestStream:
 
     async def _route_full_duplex(self, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         body = b"".join(self._body)
-        headers_reply = await self._route(body, in_headers=True)
-        return [headers_reply, responses.request_body(streamed=body, end_of_stream=end_of_stream)]
+        headers_reply, rewritten = await self._route_body(body, in_headers=True)
+        out = body if rewritten is None else rewritten
+        return [headers_reply, responses.request_body(streamed=out, end_of_stream=end_of_stream)]
 
     async def _route(self, body: bytes | None, *, in_headers: bool) -> pb.ProcessingResponse:
+        reply, rewritten = await self._route_body(body, in_headers=in_headers)
+        if rewritten is not None:  # BUFFERED: Envoy swaps in the new body (headers reply: no body)
+            reply.request_body.response.body_mutation.body = rewritten
+        return reply
+
+    async def _route_body(
+        self, body: bytes | None, *, in_headers: bool
+    ) -> tuple[pb.ProcessingResponse, bytes | None]:
+        """The routing reply, and the body as the engine must get it when it changes (else None):
+        with `engine_priority:` the request's class is written into it, and its length header with it."""
         assert self.head is not None
         self._body = []
         decision = await self.lifecycle.route_async(
             self.head, body, self.profile, explain=self.explain, subset=self.subset, route=self.route
         )
         self.decision = decision
+        rewritten = await self.lifecycle.engine_body(decision.request, body)
         self.phase = Phase.ROUTED
         cfg = self.lifecycle.config
         if self.pending is not None:
@@ -204,6 +216,7 @@ class RequestStream:
             stream=decision.request.stream,
             decision=why,
             fallbacks=decision.fallbacks,
+            content_length=None if rewritten is None else len(rewritten),
         )
         metadata = responses.endpoint_metadata(
             decision.upstream,
@@ -212,8 +225,8 @@ class RequestStream:
             decision.fallbacks,
         )
         if in_headers:
-            return responses.request_headers(mutation, metadata=metadata)
-        return responses.request_body(mutation, metadata=metadata)
+            return responses.request_headers(mutation, metadata=metadata), rewritten
+        return responses.request_body(mutation, metadata=metadata), rewritten
 
     # -- response path -------------------------------------------------------------------------
     def _on_response(self, kind: str | None, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:

@@ -29,6 +29,9 @@ PEERS = ("round-robin", "least-request", "sglang-cache-aware", "vllm-router-cach
 # is the signal that moves. Standard requests wait in the queue <= 1.5 s.
 BENCH_ADMISSION: dict[str, Any] = {"enabled": True, "max_predicted_wait_s": 0.15, "max_wait_s": 1.5}
 TPOT_GATE_ROW = "llm-extproc (+ TPOT gate)"
+# The TPOT gate row on engines that run vLLM's priority policy, each request's class written into its
+# body (`engine_priority: {}`); every other row's engines run FCFS (the peers set no priority).
+ENGINE_PRIORITY_ROW = "llm-extproc (+ TPOT gate, engine priority)"
 TPOT_OBJECTIVE_ROW = "llm-extproc (TPOT objective per request)"
 DECODE_SPEED_ROW = "llm-extproc (+ decode-speed)"
 

@@ -8,10 +8,11 @@ The same workload as the discrete-event bench (shared-prefix, 16 tenants; 20 % c
 standard, 30 % sheddable as `x-llm-priority`, the tenant as `x-user-id`), sent open loop to each
 policy on a fresh fleet of four model-driven simulated A10G engines (cold caches): `llm-extproc`
 (Envoy + the service + Redis + the publisher, the bench's admission), the same with admission's TPOT
-gate at the SLO's TPOT (`max_tpot_s`), the same with every request carrying the SLO's TPOT as
-`x-llm-tpot-slo-ms`, Envoy's own `round_robin` and `least_request`, and
-sglang-router `cache_aware` when installed (reported as skipped when not). Policies run one after
-another, each on its own fleet.
+gate at the SLO's TPOT (`max_tpot_s`), the gate again on engines running vLLM's priority policy
+with each request's class written into its body by the service (`engine_priority: {}`), the
+bench's admission with every request carrying the SLO's TPOT as `x-llm-tpot-slo-ms`, Envoy's own
+`round_robin` and `least_request`, and sglang-router `cache_aware` when installed (reported as
+skipped when not). Policies run one after another, each on its own fleet.
 
 With `time_scale` above 1, time runs that many times faster than the engines' virtual time and
 latencies are converted back (as in the live grid), so figures compare with the discrete-event
@@ -40,6 +41,7 @@ from typing import Any
 
 from extproc.lab.bench.priorities import (
     BENCH_ADMISSION,
+    ENGINE_PRIORITY_ROW,
     TPOT_GATE_ROW,
     TPOT_OBJECTIVE_ROW,
     checks,
@@ -57,6 +59,7 @@ from extproc.settings import AdmissionSettings
 ROWS = {
     "llm-extproc": "llm-extproc",
     TPOT_GATE_ROW: "llm-extproc",
+    ENGINE_PRIORITY_ROW: "llm-extproc",
     TPOT_OBJECTIVE_ROW: "llm-extproc",
     "round-robin": "envoy-round-robin",
     "least-request": "envoy-least-request",
@@ -106,7 +109,12 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
     profiles = [PROFILES[cfg.profile]] * cfg.engines
     service = {"admission": service_admission(cfg.time_scale)}
     gated = {"admission": service_admission(cfg.time_scale, cfg.slo.tpot_s)}
-    service_of = {"llm-extproc": service, TPOT_GATE_ROW: gated, TPOT_OBJECTIVE_ROW: service}
+    service_of = {
+        "llm-extproc": service,
+        TPOT_GATE_ROW: gated,
+        ENGINE_PRIORITY_ROW: {**gated, "engine_priority": {}},
+        TPOT_OBJECTIVE_ROW: service,
+    }
     objective_ms = cfg.slo.tpot_s * 1000.0 / cfg.time_scale
     runs: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
@@ -133,6 +141,7 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
                 workdir=out_dir / "logs" / f"{load:g}" / policy,
                 service_extra=service_of.get(row),
                 headers=list(headers),
+                scheduling_policy="priority" if row == ENGINE_PRIORITY_ROW else "fcfs",
             )
             if ran is None:
                 skipped[row] = "could not start"
@@ -169,6 +178,8 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
             result["checks_tpot_objective"] = checks(runs, cfg.loads, references, TPOT_OBJECTIVE_ROW)
         if TPOT_GATE_ROW in cfg.rows:
             result["checks_tpot_gate"] = checks(runs, cfg.loads, references, TPOT_GATE_ROW)
+        if ENGINE_PRIORITY_ROW in cfg.rows:
+            result["checks_engine_priority"] = checks(runs, cfg.loads, references, ENGINE_PRIORITY_ROW)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "priorities-live.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     if "checks" in result:

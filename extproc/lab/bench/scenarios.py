@@ -551,6 +551,7 @@ async def run_live_requests(
     service_extra: dict[str, Any] | None = None,
     agreement: list[tuple[float, int, str, float]] | None = None,
     headers: Sequence[dict[str, str] | None] | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> tuple[list[RequestRecord], float] | None:
     """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
     time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
@@ -559,7 +560,8 @@ async def run_live_requests(
     policy's peer is not installed. With `agreement` (a list) and several llm-extproc replicas, each
     replica's `llm_extproc_sync_agreement{plugin}` is read every `AGREEMENT_EVERY_S` while the
     requests run and appended as (seconds since the first request, replica, plugin, value).
-    `headers`: per request, sent with it (a priority class, an objective)."""
+    `headers`: per request, sent with it (a priority class, an objective); `scheduling_policy`: the
+    engines' (vLLM's `--scheduling-policy`)."""
     import subprocess
 
     from extproc.lab.stack import wait_port
@@ -569,7 +571,9 @@ async def run_live_requests(
     if peer_missing(policy):
         return None
     _quiet_http2_probes()
-    group = EngineGroup([], MODEL, profiles=profiles, time_scale=time_scale)
+    group = EngineGroup(
+        [], MODEL, profiles=profiles, time_scale=time_scale, scheduling_policy=scheduling_policy
+    )
     stops: list[Any] = []
     gateways: list[LocalGateway] = []
     sampler: asyncio.Task[None] | None = None

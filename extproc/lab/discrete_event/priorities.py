@@ -7,7 +7,10 @@ critical, 50 % standard, 30 % sheddable; `workloads.with_priorities`) is run at 
 of the fleet's capacity against every reference policy and against llm-extproc with admission on (the
 service's own `Admission`: shed sheddable at saturation, queue standard fairly, admit critical); the
 same with the `decode-speed` scorer in its profile ("llm-extproc (+ decode-speed)") and with the TPOT
-gate (`max_tpot_s`, "llm-extproc (+ TPOT gate)"), both at the SLO's TPOT; with every request
+gate (`max_tpot_s`, "llm-extproc (+ TPOT gate)"), both at the SLO's TPOT; the gate row again on
+engines that run vLLM's priority policy, each request's class written into its body
+(`engine_priority: {}`, "llm-extproc (+ TPOT gate, engine priority)"; every other row's engines
+serve first come, first served); with every request
 carrying the SLO's TPOT as its own objective (`x-llm-tpot-slo-ms`, the default profile: "llm-extproc
 (TPOT objective per request)"); and, for contrast, with admission off. Capacity is measured first,
 under the SLO: the highest arrival rate at which exact-ttft (greedy least TTFT from the engines'
@@ -35,6 +38,7 @@ from typing import Any
 from extproc.lab.bench.priorities import (
     BENCH_ADMISSION,
     DECODE_SPEED_ROW,
+    ENGINE_PRIORITY_ROW,
     TPOT_GATE_ROW,
     TPOT_OBJECTIVE_ROW,
     checks,
@@ -96,10 +100,12 @@ def _run(
     admission: bool | dict[str, Any],
     profile: dict[str, Any] | None = None,
     headers: dict[str, str] | None = None,
+    engine_priority: bool = False,
 ) -> list[RequestRecord]:
     """`admission`: True for the bench's, a dict for another (llm-extproc only), False for none;
     `profile`: llm-extproc's scheduling profile instead of the default one; `headers`: added to
-    every request's own."""
+    every request's own; `engine_priority`: the engines run vLLM's priority policy and llm-extproc
+    writes each class's number into the body (`engine_priority: {}`)."""
     requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
     fleet = [PROFILES[cfg.profile]] * cfg.engines
     service: dict[str, Any] | None = None
@@ -107,6 +113,8 @@ def _run(
         service = {"admission": cfg.admission if admission is True else admission}
     if profile is not None:
         service = {**(service or {}), "scheduling": {"profiles": {"default": profile}}}
+    if engine_priority:
+        service = {**(service or {}), "engine_priority": {}}
     run = simulate(
         requests,
         fleet,
@@ -115,6 +123,7 @@ def _run(
         tokens=tokenize_requests(requests),
         headers=wl.headers if not headers else [{**(h or {}), **headers} for h in wl.headers],
         publish_interval_s=cfg.publish_interval_s,
+        scheduling_policy="priority" if engine_priority else "fcfs",
     )
     return run.records
 
@@ -164,23 +173,26 @@ def run_bench(
     # with the TPOT gate instead (both at the SLO's TPOT: the scorer keeps one engine from decoding
     # slower than the SLO at 120 %, the gate sheds at 160 %); the SLO's TPOT as every request's own
     # objective (the default profile: `decode-speed` steers it, `slo-tpot` sheds it); none.
-    Row = tuple[str, str, bool | dict[str, Any], dict[str, Any] | None, dict[str, str] | None]
-    policies: list[Row] = [("llm-extproc", "llm-extproc", True, None, None)]
-    policies.append((DECODE_SPEED_ROW, "llm-extproc", True, decode_speed_profile(cfg.slo.tpot_s), None))
+    # The gate row again on engines that schedule by priority (`engine_priority: {}`).
+    Row = tuple[str, str, bool | dict[str, Any], dict[str, Any] | None, dict[str, str] | None, bool]
+    policies: list[Row] = [("llm-extproc", "llm-extproc", True, None, None, False)]
+    speed = decode_speed_profile(cfg.slo.tpot_s)
+    policies.append((DECODE_SPEED_ROW, "llm-extproc", True, speed, None, False))
     if cfg.admission.get("max_tpot_s") is None:
         gated = {**cfg.admission, "max_tpot_s": cfg.slo.tpot_s}
-        policies.append((TPOT_GATE_ROW, "llm-extproc", gated, None, None))
+        policies.append((TPOT_GATE_ROW, "llm-extproc", gated, None, None, False))
+        policies.append((ENGINE_PRIORITY_ROW, "llm-extproc", gated, None, None, True))
     objective = {"x-llm-tpot-slo-ms": f"{cfg.slo.tpot_s * 1000:g}"}
-    policies.append((TPOT_OBJECTIVE_ROW, "llm-extproc", True, None, objective))
-    policies.append(("llm-extproc (no admission)", "llm-extproc", False, None, None))
-    policies += [(p, p, False, None, None) for p in cfg.references]
+    policies.append((TPOT_OBJECTIVE_ROW, "llm-extproc", True, None, objective, False))
+    policies.append(("llm-extproc (no admission)", "llm-extproc", False, None, None, False))
+    policies += [(p, p, False, None, None, False) for p in cfg.references]
     for load in cfg.loads:
         rate = capacity * load
         wl = _workload(cfg, rate)
         window = wl.duration_s
         per_load: dict[str, Any] = {}
-        for name, policy, admission, profile, headers in policies:
-            records = _run(cfg, wl, policy, admission, profile, headers)
+        for name, policy, admission, profile, headers, engine_priority in policies:
+            records = _run(cfg, wl, policy, admission, profile, headers, engine_priority)
             per_load[name] = row_stats(name, records, window, cfg.slo, cfg.warmup)
             log(row_line(load, name, per_load[name]))
         runs[f"{load:g}"] = {"rate_rps": rate, "window_s": window, "policies": per_load}
@@ -206,6 +218,10 @@ def run_bench(
         "checks_decode_speed": checks(runs, cfg.loads, cfg.references, DECODE_SPEED_ROW),
         # And with the SLO's TPOT as every request's own objective.
         "checks_tpot_objective": checks(runs, cfg.loads, cfg.references, TPOT_OBJECTIVE_ROW),
+        # And the TPOT gate on engines that schedule by the class written into each body.
+        "checks_engine_priority": checks(runs, cfg.loads, cfg.references, ENGINE_PRIORITY_ROW)
+        if cfg.admission.get("max_tpot_s") is None
+        else None,
     }
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,9 @@ not used), its requests get priority classes (20 % critical, 50 % standard, 30 %
   scatters tenants under KV pressure and would put "120 %" below what a cache-aware router serves
   with room to spare;
 - every row runs at 50 %, 120 % and 160 % of it: llm-extproc with the bench's admission, with it
-  and the TPOT gate (`max_tpot_s` at the SLO's TPOT), without admission, and every reference, each
-  on a fresh fleet;
+  and the TPOT gate (`max_tpot_s` at the SLO's TPOT), the same on engines that schedule by priority
+  (vLLM's `--scheduling-policy priority`, the class written into each body: `engine_priority: {}`),
+  without admission, and every reference, each on a fresh fleet (FCFS engines but for that row);
 - the checks of `extproc.lab.bench.priorities` at 120 %.
 
 Writes `priorities-grid.json` and `priorities-grid.md`.
@@ -36,6 +37,7 @@ from typing import Any
 from extproc.lab.bench.grid import Cell, cell_slo, grid, make_cell_workload
 from extproc.lab.bench.priorities import (
     BENCH_ADMISSION,
+    ENGINE_PRIORITY_ROW,
     TPOT_GATE_ROW,
     checks,
     is_good,
@@ -76,11 +78,15 @@ class CellSetup:
         return with_priorities(wl, seed=self.seed)
 
     def run(
-        self, rate: float, policy: str, admission: dict[str, Any] | None
+        self, rate: float, policy: str, admission: dict[str, Any] | None, engine_priority: bool = False
     ) -> tuple[Workload, list[RequestRecord]]:
+        """`engine_priority`: the engines run vLLM's priority policy and llm-extproc writes each
+        class's number into the body (`engine_priority: {}`)."""
         wl = self.workload(rate)
         requests = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
-        service = {"admission": admission} if admission else None
+        service: dict[str, Any] | None = {"admission": admission} if admission else None
+        if engine_priority:
+            service = {**(service or {}), "engine_priority": {}}
         run = simulate(
             requests,
             self.profiles,
@@ -90,6 +96,7 @@ class CellSetup:
             tokens=self.tokens,
             headers=wl.headers,
             publish_interval_s=0.5,
+            scheduling_policy="priority" if engine_priority else "fcfs",
         )
         return wl, run.records
 
@@ -135,17 +142,19 @@ def run_cell(
     capacity = max(capacities.values())
     each = ", ".join(f"{k} {v:.2f}" for k, v in capacities.items())
     log(f"{cs.cell.name}: capacity {capacity:.2f} req/s ({each})")
-    rows: list[tuple[str, str, dict[str, Any] | None]] = [(OURS, OURS, admission)]
+    rows: list[tuple[str, str, dict[str, Any] | None, bool]] = [(OURS, OURS, admission, False)]
     if admission.get("max_tpot_s") is None:  # the TPOT gate at the SLO's TPOT, as in the 4-A10G bench
-        rows.append((TPOT_GATE_ROW, OURS, {**admission, "max_tpot_s": cs.slo.tpot_s}))
-    rows.append((NO_ADMISSION, OURS, None))
-    rows += [(p, p, None) for p in REFERENCES]
+        gated = {**admission, "max_tpot_s": cs.slo.tpot_s}
+        rows.append((TPOT_GATE_ROW, OURS, gated, False))
+        rows.append((ENGINE_PRIORITY_ROW, OURS, gated, True))
+    rows.append((NO_ADMISSION, OURS, None, False))
+    rows += [(p, p, None, False) for p in REFERENCES]
     runs: dict[str, dict[str, Any]] = {}
     for load in loads:
         per: dict[str, Any] = {}
         wl: Workload | None = None
-        for name, policy, adm in rows:
-            wl, records = cs.run(capacity * load, policy, adm)
+        for name, policy, adm, engine_priority in rows:
+            wl, records = cs.run(capacity * load, policy, adm, engine_priority)
             per[name] = row_stats(name, records, wl.duration_s, cs.slo, 0.1)
         assert wl is not None
         runs[f"{load:g}"] = {"rate_rps": capacity * load, "window_s": wl.duration_s, "policies": per}
@@ -163,6 +172,9 @@ def run_cell(
         "checks_tpot_gate": checks(runs, loads, REFERENCES, TPOT_GATE_ROW)
         if TPOT_GATE_ROW in runs[f"{loads[0]:g}"]["policies"]
         else None,
+        "checks_engine_priority": checks(runs, loads, REFERENCES, ENGINE_PRIORITY_ROW)
+        if ENGINE_PRIORITY_ROW in runs[f"{loads[0]:g}"]["policies"]
+        else None,
         "wall_s": time.perf_counter() - started,
     }
     log(cell_line(result))
@@ -176,6 +188,10 @@ def cell_line(result: dict[str, Any]) -> str:
     high = result["loads"]["1.2"]["policies"]
     gated = result.get("checks_tpot_gate")
     gate = f"+ TPOT gate {gated['goodput_rps']:.2f}; " if gated else ""
+    prio = result.get("checks_engine_priority")
+    if prio:
+        x = prio["critical_ttft_p99_ratio"]
+        gate += f"+ engine priority {prio['goodput_rps']:.2f}, critical p99 x{x or float('nan'):.2f}; "
     return (
         f"  {result['cell']}: at 120 % goodput {ch['goodput_rps']:.2f}/s ({gate}no admission "
         f"{high[NO_ADMISSION]['goodput_rps']:.2f}; best peer {ch['best_peer']} "
@@ -194,7 +210,11 @@ def markdown(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         "of requests within the SLO; checks at 120 % of it (issue 11).",
         "",
     ]
-    for row, key in ((OURS, "checks"), (TPOT_GATE_ROW, "checks_tpot_gate")):
+    for row, key in (
+        (OURS, "checks"),
+        (TPOT_GATE_ROW, "checks_tpot_gate"),
+        (ENGINE_PRIORITY_ROW, "checks_engine_priority"),
+    ):
         if any(r.get(key) for r in results):
             lines += [f"## {row}", "", *_summary(results, row, key), ""]
     for r in results:

@@ -391,6 +391,13 @@ class ExtprocPolicy:
         if req.decision is not None:
             self.replicas[req.replica].lifecycle.finish(req.decision, "response_end")
 
+    def engine_priority(self, req: Pending) -> int:
+        """The number `engine_priority:` writes into the request's body (0 when it is off)."""
+        ep = self.config.engine_priority
+        if ep is None or req.decision is None:
+            return 0
+        return ep.value(req.decision.request.priority)
+
     @property
     def sharing(self) -> bool:
         return any(r.sync is not None for r in self.replicas)
@@ -510,6 +517,7 @@ def simulate(
     token_ids: bool | None = None,
     kv_flush_s: float = KV_FLUSH_S,
     kv_delay_s: float = 0.002,
+    scheduling_policy: str = "fcfs",
 ) -> DesRun:
     """Run one policy over the workload on fresh engines; every request gets a record.
 
@@ -529,7 +537,11 @@ def simulate(
     through the publisher's translation (publishers/kv_events.py `BlockTranslator`) into a delta in
     the Redis wire format, applied `kv_delay_s` later to every replica's `KvIndex`: the precise index
     predicted-ttft reads, with the publisher's flush as its lag. `token_ids` (default: `kv_events`)
-    gives the service the token ids without the events (prefix hashes of tokens, not of text)."""
+    gives the service the token ids without the events (prefix hashes of tokens, not of text).
+
+    `scheduling_policy` is the engines' (vLLM's `--scheduling-policy`): with "priority" and
+    `service={"engine_priority": {...}}`, llm-extproc's requests reach the engines with their class's
+    number; every other policy's requests carry none (0), as the peers send none."""
     started = time.perf_counter()
     name, variant = policy, VARIANTS.get(policy)
     if variant is not None:  # llm-extproc with options, under its own name (a grid's extra row)
@@ -539,7 +551,9 @@ def simulate(
             variant.get("token_ids"),
         )
     with_events = kv_events and policy == "llm-extproc"
-    fleet = Fleet([EngineModel(p, kv_events=with_events) for p in profiles])
+    fleet = Fleet(
+        [EngineModel(p, kv_events=with_events, scheduling_policy=scheduling_policy) for p in profiles]
+    )
     now = 0.0
     chosen: Policy
     extproc: ExtprocPolicy | None = None
@@ -675,7 +689,8 @@ def simulate(
                         heapq.heappush(events, (deadline, next(seq), 6, payload))
                         continue
                 engine = chosen.choose(req, body, now)
-                fleet.engines[engine].submit(str(payload), prompt, req.max_tokens, now)
+                priority = extproc.engine_priority(req) if extproc is not None else 0
+                fleet.engines[engine].submit(str(payload), prompt, req.max_tokens, now, priority)
             except (RequestError, ValueError) as exc:
                 status = exc.status if isinstance(exc, RequestError) else 400
                 records.append(_failed(req, status, str(exc)[:80]))

@@ -63,13 +63,15 @@ class ModelDriver:
                     if q is not None:
                         q.put_nowait(ev)
 
-    async def generate(self, prompt_tokens: list[int], max_tokens: int) -> AsyncIterator[Event]:
+    async def generate(
+        self, prompt_tokens: list[int], max_tokens: int, priority: int = 0
+    ) -> AsyncIterator[Event]:
         """Submit one request and yield its events until it finishes. Raises ValueError for prompts
         the engine refuses (too long for its context)."""
         self._next_id += 1
         rid = f"r{self._next_id}"
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.model.submit(rid, prompt_tokens, max_tokens, self.now())
+        self.model.submit(rid, prompt_tokens, max_tokens, self.now(), priority)
         self._queues[rid] = queue
         self._wake.set()
         finished = False

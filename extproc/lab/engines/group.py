@@ -26,10 +26,11 @@ class EngineGroup:
         time_scale: float = 1.0,
         lora_slots: int = 0,
         lora_load_s: float = 0.3,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """One engine per entry of `delays_s` (fixed-cost engines), or, with `profiles`, one model-driven
         engine per profile (None entries stay fixed-cost). `lora_slots` > 0: the fixed-cost engines
-        serve LoRA adapters (server.LoraSlots)."""
+        serve LoRA adapters (server.LoraSlots). `scheduling_policy`: vLLM's (fcfs, priority)."""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
         self._thread.start()
@@ -45,6 +46,7 @@ class EngineGroup:
                 time_scale=time_scale,
                 lora_slots=lora_slots,
                 lora_load_s=lora_load_s,
+                scheduling_policy=scheduling_policy,
             )
             for i, p in enumerate(kinds)
         ]
@@ -65,6 +67,7 @@ class EngineGroup:
             e.stats.hung_requests = 0
             e.hung = False
             e.stats.routing_headers.clear()
+            e.stats.priorities.clear()
 
     def close(self) -> None:
         for e in self.engines:

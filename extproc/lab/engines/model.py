@@ -20,6 +20,11 @@ What is modelled (docs/simulator.md has the long version):
   most recently admitted running sequence loses its blocks and goes back to the front of the waiting
   queue; when readmitted it prefills its prompt and the tokens it had generated (its full blocks may
   still be cached).
+- Priority scheduling (`scheduling_policy="priority"`, vLLM's `--scheduling-policy priority`): the
+  waiting queue is ordered by (priority, arrival), lower values first, and a running sequence that
+  needs a block preempts the running one with the highest (priority, arrival) instead of the most
+  recently admitted. As in vLLM V1, a waiting request never preempts a running one: a critical
+  request skips the queue, not the batch.
 - Step time: decode_base_s (every forward pass reads the weights once) + prefill_tokens x
   prefill_s_per_token, plus, if any sequence decodes, n_decoding x decode_s_per_seq + context_tokens x
   decode_s_per_kv_token, where context_tokens is the KV read by the decoding sequences.
@@ -48,6 +53,7 @@ from extproc.lab.engines.tokens import PIECE_VOCAB
 from extproc.publishers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 ROOT_HASH = bytes(16)  # parent of a sequence's first block
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -228,6 +234,16 @@ class _Seq:
     first_token_at: float | None = None
     last_token_at: float | None = None  # end of the step that sampled its latest token
     scheduled_at: float | None = None  # start of the step that first ran it (vLLM's prefill phase start)
+    priority: int = 0  # lower runs first under the priority policy (vLLM's request field)
+    arrival: int = 0  # submission order: the tie-break among equal priorities
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)
+
+
+def _order(seq: _Seq) -> tuple[int, int]:
+    return seq.order
 
 
 def next_token(last_token: int, position: int) -> int:
@@ -245,8 +261,14 @@ class EngineModel:
         clock_start: float = 0.0,
         ready_at: float = 0.0,
         kv_events: bool = False,
+        scheduling_policy: str = "fcfs",
     ) -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, not {scheduling_policy!r}"
+            )
         self.profile = profile
+        self.by_priority = scheduling_policy == "priority"
         self.clock = clock_start  # the latest time seen; time never runs backwards
         self.ready_at = ready_at
         self._pool = _BlockPool(profile.num_gpu_blocks)
@@ -256,6 +278,7 @@ class EngineModel:
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []  # admission order
         self._waiting_tokens = 0  # sum of len(tokens) over waiting sequences (all to be computed)
+        self._arrivals = 0
         # Running-batch summary as of the end of the last step (for predicted_ttft, O(1) to read).
         self._next_decoding = 0
         self._next_context = 0
@@ -281,8 +304,11 @@ class EngineModel:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_tokens: list[int], max_tokens: int, now: float) -> None:
-        """Queue a request. Its output is capped so that prompt + output fits max_model_len."""
+    def submit(
+        self, request_id: str, prompt_tokens: list[int], max_tokens: int, now: float, priority: int = 0
+    ) -> None:
+        """Queue a request. Its output is capped so that prompt + output fits max_model_len. A
+        non-zero `priority` needs the priority policy (vLLM rejects it otherwise)."""
         now = self._advance(now)
         limit = self.profile.max_model_len - 1
         if request_id in self._seqs:
@@ -293,16 +319,36 @@ class EngineModel:
             raise ValueError(f"prompt of {len(prompt_tokens)} tokens exceeds max_model_len - 1 = {limit}")
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if priority != 0 and not self.by_priority:
+            raise ValueError("priority scheduling is not enabled on this engine")
+        self._arrivals += 1
         seq = _Seq(
             request_id=request_id,
             prompt_len=len(prompt_tokens),
             max_tokens=min(max_tokens, self.profile.max_model_len - len(prompt_tokens)),
             submitted_at=now,
             tokens=list(prompt_tokens),
+            priority=priority,
+            arrival=self._arrivals,
         )
         self._seqs[request_id] = seq
-        self._waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: _Seq, *, front: bool) -> None:
+        """FCFS: a new request at the back, a preempted one at the front. Priority: by (priority,
+        arrival), found from the back (most arrivals share the lowest class's order)."""
         self._waiting_tokens += len(seq.tokens)
+        if not self.by_priority:
+            if front:
+                self._waiting.appendleft(seq)
+            else:
+                self._waiting.append(seq)
+            return
+        key = seq.order
+        i = len(self._waiting)
+        while i > 0 and self._waiting[i - 1].order > key:
+            i -= 1
+        self._waiting.insert(i, seq)
 
     def abort(self, request_id: str, now: float) -> bool:
         """Drop a request (client went away): its blocks are released. False if unknown/finished."""
@@ -339,15 +385,23 @@ class EngineModel:
         scheduled: list[tuple[_Seq, int]] = []
 
         # 1. Running sequences, in admission order; preempt from the back when blocks run out.
+        # Under the priority policy a victim may be one already scheduled in this step: it leaves
+        # `scheduled` and gives its tokens back; the scheduled ones stay a prefix of `_running`.
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             n = min(len(seq.tokens) - seq.num_computed, budget)
-            if not self._make_room(seq, n, result):
-                break  # seq itself was preempted; the ones after it already were
+            preempted = len(result.preempted)
+            fits = self._make_room(seq, n, result, scheduled)
+            if len(result.preempted) != preempted and self.by_priority:
+                budget = p.max_num_batched_tokens - sum(k for _, k in scheduled)
+            if not fits:
+                # seq itself was preempted (FCFS: the ones after it already were). vLLM stops here
+                # under the priority policy too (its PR 26765, to go on, was not merged).
+                break
             scheduled.append((seq, n))
             budget -= n
-            i += 1
+            i = len(scheduled)
 
         # 2. Waiting sequences, FIFO; none in a step that had to preempt (as in vLLM).
         if not result.preempted:
@@ -413,11 +467,17 @@ class EngineModel:
         self.busy_s += result.duration
         return result
 
-    def _make_room(self, seq: _Seq, n: int, result: StepResult) -> bool:
+    def _make_room(self, seq: _Seq, n: int, result: StepResult, scheduled: list[tuple[_Seq, int]]) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting the most recently admitted
-        running sequences until they fit. False when `seq` itself had to go."""
+        running sequence (priority policy: the highest (priority, arrival), which may already be
+        scheduled in this step: it leaves the step) until they fit. False when `seq` itself had to go."""
         while not self._grow(seq, n):
-            victim = self._running.pop()
+            if self.by_priority:
+                victim = max(self._running, key=_order)
+                self._running.remove(victim)
+                scheduled[:] = [(s, k) for s, k in scheduled if s is not victim]
+            else:
+                victim = self._running.pop()
             self._preempt(victim)
             result.preempted.append(victim.request_id)
             if victim is seq:
@@ -440,8 +500,7 @@ class EngineModel:
         seq.num_cached_blocks = 0
         seq.preemptions += 1
         self.preemptions_total += 1
-        self._waiting.appendleft(seq)
-        self._waiting_tokens += len(seq.tokens)
+        self._enqueue(seq, front=True)
 
     def _admit(self, seq: _Seq, budget: int) -> int:
         """Give a waiting sequence its cached prefix and blocks for its first chunk; the chunk's size,

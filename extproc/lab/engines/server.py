@@ -27,7 +27,13 @@ from prometheus_client.registry import Collector
 
 from extproc.lab.engines.driver import ModelDriver
 from extproc.lab.engines.kv_publisher import KvEventPublisher
-from extproc.lab.engines.model import EngineModel, FinishedEvent, FirstTokenEvent, TokenEvent
+from extproc.lab.engines.model import (
+    SCHEDULING_POLICIES,
+    EngineModel,
+    FinishedEvent,
+    FirstTokenEvent,
+    TokenEvent,
+)
 from extproc.lab.engines.profiles import GpuProfile
 from extproc.lab.engines.tokens import chat_to_tokens, token_text, tokenize
 
@@ -57,6 +63,7 @@ class EngineStats:
     itl_count: int = 0  # inter-token gaps: the nominal token delay each
     itl_sum: float = 0.0
     routing_headers: list[dict[str, str]] = field(default_factory=list)
+    priorities: list[Any] = field(default_factory=list)
     # LoRA (fixed-cost engine with lora_slots): requests whose adapter was in GPU memory when they
     # arrived, those whose adapter was not, and adapter loads.
     lora_hits: int = 0
@@ -149,8 +156,15 @@ class SimEngine:
         kv_events_topic: str = "",
         lora_slots: int = 0,
         lora_load_s: float = 0.3,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.name = name
+        # vLLM's --scheduling-policy: "priority" orders the engine model's queue by the request
+        # body's `priority` (lower first); under "fcfs" a non-zero priority is refused (400), as vLLM
+        # does. The fixed-cost engine checks the field the same way but keeps its FIFO.
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
+        self.scheduling_policy = scheduling_policy
         # LoRA adapters (fixed-cost engine only): a request whose `model` is not the base model asks
         # for an adapter of that name, served through `lora_slots` slots (LoraSlots); 0: none.
         self.lora = LoraSlots(lora_slots, lora_load_s) if lora_slots > 0 else None
@@ -167,7 +181,10 @@ class SimEngine:
         self.driver: ModelDriver | None = None
         if profile is not None:
             engine_model = EngineModel(
-                profile, ready_at=ready_delay_s * time_scale, kv_events=kv_events_port is not None
+                profile,
+                ready_at=ready_delay_s * time_scale,
+                kv_events=kv_events_port is not None,
+                scheduling_policy=scheduling_policy,
             )
             self.driver = ModelDriver(engine_model, time_scale)
         self.ready = True  # /health answers 503 while False (model "loading")
@@ -263,13 +280,20 @@ class SimEngine:
             return _error(400, "body must be an object")
         if (missing := self._unknown_model(doc)) is not None:
             return missing
-        self._record(request)
+        self._record(request, doc.get("priority"))
+        priority = doc.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            return _error(400, "priority must be an integer", param="priority")
+        if priority != 0 and self.scheduling_policy != "priority":
+            return _error(
+                400, f"Got priority {priority} but priority scheduling is not enabled.", param="priority"
+            )
         n_tokens = doc.get("max_completion_tokens") or doc.get("max_tokens") or self.default_tokens
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool):
             return _error(400, "max_tokens must be an integer", param="max_tokens")
         n_tokens = max(1, min(n_tokens, 4096))
         if self.driver is not None:
-            return await self._generate_model(request, doc, chat, n_tokens)
+            return await self._generate_model(request, doc, chat, n_tokens, priority)
         prompt_tokens = max(1, len(body) // 4)
         self.stats.active += 1
         self.stats.max_active = max(self.stats.max_active, self.stats.active)
@@ -404,7 +428,7 @@ class SimEngine:
         )
 
     async def _generate_model(
-        self, request: web.Request, doc: dict[str, Any], chat: bool, n_tokens: int
+        self, request: web.Request, doc: dict[str, Any], chat: bool, n_tokens: int, priority: int = 0
     ) -> web.StreamResponse:
         assert self.driver is not None
         tokens = _prompt_tokens(doc, chat)
@@ -419,7 +443,7 @@ class SimEngine:
         pieces: list[str] = []
         self.stats.active += 1
         try:
-            async for ev in self.driver.generate(tokens, n_tokens):
+            async for ev in self.driver.generate(tokens, n_tokens, priority):
                 if isinstance(ev, FirstTokenEvent):
                     self._ttft.observe(ev.ttft / self.driver.time_scale)
                 elif isinstance(ev, TokenEvent):
@@ -611,15 +635,18 @@ class SimEngine:
                 "lora_misses": s.lora_misses,
                 "lora_loads": s.lora_loads,
                 "routing_headers": s.routing_headers[-100:],
+                "priorities": s.priorities[-100:],
             }
         )
 
-    def _record(self, request: web.Request) -> None:
+    def _record(self, request: web.Request, priority: Any = None) -> None:
         self.stats.requests += 1
         seen = {h: request.headers[h] for h in ROUTING_HEADERS if h in request.headers}
         self.stats.routing_headers.append(seen)
+        self.stats.priorities.append(priority)  # the body's `priority` field as received (None: absent)
         if len(self.stats.routing_headers) > 1000:
             del self.stats.routing_headers[:500]
+            del self.stats.priorities[:500]
 
 
 class _LoraCollector(Collector):
@@ -807,6 +834,7 @@ async def run_engines(
     time_scale: float = 1.0,
     kv_events_port: int | None = None,
     kv_events_topic: str = "",
+    scheduling_policy: str = "fcfs",
 ) -> None:
     """`llm-extproc sim`: one engine per delay (or per profile), on consecutive ports, until interrupted.
     Like vLLM, these engines answer 404 for a model other than `model`. With `kv_events_port` (and
@@ -823,6 +851,7 @@ async def run_engines(
             check_model=True,
             kv_events_port=None if kv_events_port is None else (kv_events_port + i if kv_events_port else 0),
             kv_events_topic=kv_events_topic,
+            scheduling_policy=scheduling_policy,
         )
         for i, p in enumerate(kinds)
     ]

@@ -1,0 +1,77 @@
+"""The engine-priority body rewrite (extproc.openai.rewrite) and its settings (`engine_priority:`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from extproc.config import load_config
+from extproc.openai.rewrite import set_field
+from extproc.settings import ConfigError, EnginePriority, engine_priority_settings
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model":"m","messages":[]}',
+        b'{\n  "model": "m",\n  "max_tokens": 3\n}\n\n',
+        b"{}",
+        b"{ \n }",
+        b'{"model":"m","nested":{"a":{}}}',
+    ],
+)
+def test_the_field_is_spliced_in_and_the_rest_is_kept(body: bytes) -> None:
+    out = set_field(body, "priority", -1)
+    assert orjson.loads(out) == {**orjson.loads(body), "priority": -1}
+    assert out.startswith(body.rstrip()[:-1].rstrip())  # the client's bytes, unchanged, up to the end
+
+
+def test_a_body_that_names_the_field_is_rewritten_with_one_value() -> None:
+    body = b'{"priority": -100, "model": "m", "priority": -7}'  # duplicates: the last wins in json
+    out = set_field(body, "priority", 1)
+    assert out.count(b'"priority"') == 1 and orjson.loads(out) == {"priority": 1, "model": "m"}
+    text = b'{"model":"m","prompt":"priority","user":"a"}'  # the word as a value: parsed, still right
+    assert orjson.loads(set_field(text, "priority", 0)) == {
+        "model": "m",
+        "prompt": "priority",
+        "user": "a",
+        "priority": 0,
+    }
+    escaped = b'{"model":"m","prompt":"say \\"priority\\" twice"}'  # quoted in a string: no match
+    assert orjson.loads(set_field(escaped, "priority", 2))["priority"] == 2
+
+
+@pytest.mark.parametrize("body", [b"[1,2]", b'"text"', b"  "])
+def test_not_an_object_is_an_error(body: bytes) -> None:
+    with pytest.raises(ValueError):
+        set_field(body, "priority", 0)
+
+
+def test_settings_defaults_values_and_errors() -> None:
+    assert engine_priority_settings(None) is None
+    ep = engine_priority_settings({})
+    assert ep == EnginePriority()
+    assert (ep.value(1), ep.value(5), ep.value(0), ep.value(-1)) == (-1, -1, 0, 1)  # vLLM: lower first
+    sglang_like = engine_priority_settings({"critical": 10, "standard": 5, "sheddable": 0, "field": "prio"})
+    assert sglang_like == EnginePriority(field="prio", critical=10, standard=5, sheddable=0)
+    for raw, match in [
+        ({"critical": "high"}, "critical must be an integer"),
+        ({"critical": True}, "critical must be an integer"),
+        ({"field": "a b"}, "field must be a JSON field name"),
+        ({"field": ""}, "field"),
+        ({"urgent": 3}, "urgent"),
+        ([1], "mapping"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            engine_priority_settings(raw)
+
+
+def test_the_service_yaml_section(tmp_path: Path) -> None:
+    path = tmp_path / "svc.yaml"
+    path.write_text("pool:\n  clusters:\n  - {name: gpu-a, models: ['*']}\nengine_priority: {critical: -5}\n")
+    cfg = load_config(path)
+    assert cfg.engine_priority == EnginePriority(critical=-5)
+    path.write_text("pool:\n  clusters:\n  - {name: gpu-a, models: ['*']}\n")
+    assert load_config(path).engine_priority is None
