@@ -158,6 +158,8 @@ def _sim(args: argparse.Namespace) -> int:
     if args.port:  # 0: any free ports
         for i in range(len(profiles) if profiles else len(delays)):
             check_listen(f"{args.host}:{args.port + i}", "--host/--port" if i == 0 else f"engine {i}")
+    if args.priority_preemption_threshold is not None and not profiles:
+        raise ValueError("--priority-preemption-threshold needs --profile (the engine model preempts)")
     if args.kv_events_port is not None and not profiles:
         raise ValueError("--kv-events-port needs --profile (only model-driven engines have a KV cache)")
     _run(
@@ -172,6 +174,7 @@ def _sim(args: argparse.Namespace) -> int:
             kv_events_port=args.kv_events_port,
             kv_events_topic=args.kv_events_topic,
             scheduling_policy=args.scheduling_policy,
+            preemption_threshold=args.priority_preemption_threshold,
         )
     )
     return 0
@@ -630,6 +633,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="fcfs",
         help="vLLM's --scheduling-policy: 'priority' serves the body's `priority` field lower-first "
         "(the service's `engine_priority:` sets it); 'fcfs' refuses a non-zero priority with 400",
+    )
+    p.add_argument(
+        "--priority-preemption-threshold",
+        type=int,
+        help="with --scheduling-policy priority and --profile: a waiting request that finds no slot "
+        "or KV room preempts running ones more than this much lower in priority (SGLang's rule; "
+        "default: never, as vLLM)",
     )
     p.set_defaults(func=_sim)
 

@@ -93,3 +93,25 @@ async def test_engines_left_on_fcfs_refuse_every_class_but_standard(make_stack: 
     status, doc = await post(stack, CHAT)
     assert status == 200, doc
     assert received(stack) == [-1, 0]
+
+
+@pytest.mark.parametrize("mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+async def test_a_chunked_body_is_rewritten_too(make_stack: Callable[..., Stack], mode: str) -> None:
+    """No content-length from the client (chunked transfer encoding): the rewritten body still
+    reaches the engine whole, with the class's number."""
+    stack = make_stack(service=service_config(engine_priority={}), envoy_edit=body_mode_edit(mode))
+    with_policy(stack, "priority")
+    raw = orjson.dumps(CHAT)
+
+    async def chunks() -> Any:
+        yield raw[:10]
+        yield raw[10:]
+
+    headers = {"content-type": "application/json", "x-llm-priority": "critical"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(stack.url + "/v1/chat/completions", data=chunks(), headers=headers) as r,
+    ):
+        assert r.status == 200, await r.text()
+        assert r.request_info.headers.get("Transfer-Encoding") == "chunked"
+    assert received(stack) == [-1]

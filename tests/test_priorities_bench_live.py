@@ -83,3 +83,10 @@ async def test_a_short_live_run_accounts_for_every_request(tmp_path: Path) -> No
     )
     assert shed > 0  # the objective reached the service
     assert {"checks", "checks_tpot_objective", "checks_engine_priority"} <= set(result)
+
+
+def test_every_row_name_can_be_given_to_rows() -> None:
+    """`--rows` is a comma-separated list: a row name with a comma in it could never be chosen."""
+    from extproc.lab.bench.priorities_live import ROWS
+
+    assert all("," not in row for row in ROWS)

@@ -209,6 +209,54 @@ def test_priority_policy_preempts_the_lowest_priority_even_when_already_schedule
     assert m.kv_usage == 0.0
 
 
+def test_a_waiting_request_preempts_lower_priorities_only_past_the_threshold() -> None:
+    """SGLang's rule (`preemption_threshold`): no slot or blocks for a waiting request, and running
+    ones more than that much lower in priority give way; vLLM's (no threshold): it waits."""
+
+    def run(threshold: int | None) -> tuple[list[str], list[str]]:
+        m = EngineModel(TEST, scheduling_policy="priority", preemption_threshold=threshold)  # 4 slots
+        for i in range(4):
+            m.submit(f"low{i}", prompt(110 + i, 4), 30, 0.0, priority=10 if i < 2 else 5)
+        first = m.step(0.0)
+        assert first is not None and len(first.admitted) == 4
+        m.submit("crit", prompt(120, 4), 3, first.ended_at, priority=0)
+        r = m.step(first.ended_at)
+        assert r is not None
+        return r.admitted, r.preempted
+
+    assert run(None) == ([], [])  # every slot taken: the critical request waits
+    admitted, preempted = run(9)
+    assert admitted == ["crit"] and preempted == ["low1"]  # the lowest priority, latest arrival first
+    assert run(10) == ([], [])  # no running request is more than 10 below it
+    with pytest.raises(ValueError, match="preemption_threshold"):
+        EngineModel(TEST, preemption_threshold=10)  # needs the priority policy
+
+
+def test_a_waiting_request_preempts_for_blocks_in_the_step_that_admits_it() -> None:
+    m = EngineModel(TEST, scheduling_policy="priority", preemption_threshold=1)  # 32 blocks of 4 tokens
+    m.submit("low", prompt(130, 40), 20, 0.0, priority=1)  # 10 blocks, growing to 15
+    m.submit("mid", prompt(131, 40), 20, 0.0, priority=0)
+    results, now = [], 0.0
+    while m.free_blocks >= 8:  # until its first chunk (30 tokens: 8 blocks) no longer fits
+        r = m.step(now)
+        assert r is not None and not r.finished
+        results.append(r)
+        now = r.ended_at
+    m.submit("crit", prompt(132, 48), 2, now, priority=-1)
+    results2, _ = drain(m, now)
+    preempted = [rid for r in results2 for rid in r.preempted]
+    assert preempted[0] == "low"  # the lowest priority gave way, not "mid"
+    step = next(r for r in results2 if "crit" in r.admitted)
+    assert step.preempted == ["low"]  # in the step that admitted the critical request: for its blocks
+    done = finished(results + results2)
+    assert sorted(done) == ["crit", "low", "mid"]
+    assert done["crit"].latency < done["mid"].latency
+    for rid in ("low", "mid"):  # recomputation neither repeats nor skips output tokens
+        assert [e.index for r in results + results2 for e in r.tokens if e.request_id == rid] == list(
+            range(20)
+        )
+
+
 # --- step time ---------------------------------------------------------------------------------
 
 

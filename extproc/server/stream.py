@@ -188,7 +188,7 @@ class RequestStream:
 
     async def _route(self, body: bytes | None, *, in_headers: bool) -> pb.ProcessingResponse:
         reply, rewritten = await self._route_body(body, in_headers=in_headers)
-        if rewritten is not None:  # BUFFERED: Envoy swaps in the new body (headers reply: no body)
+        if rewritten is not None and not in_headers:  # BUFFERED: Envoy swaps in the new body
             reply.request_body.response.body_mutation.body = rewritten
         return reply
 

@@ -31,7 +31,7 @@ BENCH_ADMISSION: dict[str, Any] = {"enabled": True, "max_predicted_wait_s": 0.15
 TPOT_GATE_ROW = "llm-extproc (+ TPOT gate)"
 # The TPOT gate row on engines that run vLLM's priority policy, each request's class written into its
 # body (`engine_priority: {}`); every other row's engines run FCFS (the peers set no priority).
-ENGINE_PRIORITY_ROW = "llm-extproc (+ TPOT gate, engine priority)"
+ENGINE_PRIORITY_ROW = "llm-extproc (+ TPOT gate + engine priority)"
 TPOT_OBJECTIVE_ROW = "llm-extproc (TPOT objective per request)"
 DECODE_SPEED_ROW = "llm-extproc (+ decode-speed)"
 

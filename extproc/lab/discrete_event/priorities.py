@@ -9,7 +9,7 @@ service's own `Admission`: shed sheddable at saturation, queue standard fairly, 
 same with the `decode-speed` scorer in its profile ("llm-extproc (+ decode-speed)") and with the TPOT
 gate (`max_tpot_s`, "llm-extproc (+ TPOT gate)"), both at the SLO's TPOT; the gate row again on
 engines that run vLLM's priority policy, each request's class written into its body
-(`engine_priority: {}`, "llm-extproc (+ TPOT gate, engine priority)"; every other row's engines
+(`engine_priority: {}`, "llm-extproc (+ TPOT gate + engine priority)"; every other row's engines
 serve first come, first served); with every request
 carrying the SLO's TPOT as its own objective (`x-llm-tpot-slo-ms`, the default profile: "llm-extproc
 (TPOT objective per request)"); and, for contrast, with admission off. Capacity is measured first,

@@ -518,6 +518,7 @@ def simulate(
     kv_flush_s: float = KV_FLUSH_S,
     kv_delay_s: float = 0.002,
     scheduling_policy: str = "fcfs",
+    preemption_threshold: int | None = None,
 ) -> DesRun:
     """Run one policy over the workload on fresh engines; every request gets a record.
 
@@ -541,7 +542,9 @@ def simulate(
 
     `scheduling_policy` is the engines' (vLLM's `--scheduling-policy`): with "priority" and
     `service={"engine_priority": {...}}`, llm-extproc's requests reach the engines with their class's
-    number; every other policy's requests carry none (0), as the peers send none."""
+    number; every other policy's requests carry none (0), as the peers send none.
+    `preemption_threshold` (with "priority"): SGLang's rule, a waiting request preempts running ones
+    more than this much lower in priority (None: vLLM's, it never does)."""
     started = time.perf_counter()
     name, variant = policy, VARIANTS.get(policy)
     if variant is not None:  # llm-extproc with options, under its own name (a grid's extra row)
@@ -552,7 +555,15 @@ def simulate(
         )
     with_events = kv_events and policy == "llm-extproc"
     fleet = Fleet(
-        [EngineModel(p, kv_events=with_events, scheduling_policy=scheduling_policy) for p in profiles]
+        [
+            EngineModel(
+                p,
+                kv_events=with_events,
+                scheduling_policy=scheduling_policy,
+                preemption_threshold=preemption_threshold,
+            )
+            for p in profiles
+        ]
     )
     now = 0.0
     chosen: Policy

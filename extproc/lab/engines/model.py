@@ -262,13 +262,19 @@ class EngineModel:
         ready_at: float = 0.0,
         kv_events: bool = False,
         scheduling_policy: str = "fcfs",
+        preemption_threshold: int | None = None,
     ) -> None:
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, not {scheduling_policy!r}"
             )
+        if preemption_threshold is not None and (scheduling_policy != "priority" or preemption_threshold < 0):
+            raise ValueError("preemption_threshold needs the priority policy and must be >= 0")
         self.profile = profile
         self.by_priority = scheduling_policy == "priority"
+        # SGLang's priority scheduling (not vLLM's): a waiting request that cannot be admitted
+        # (no free slot or blocks) preempts running ones more than this much lower in priority.
+        self.preemption_threshold = preemption_threshold
         self.clock = clock_start  # the latest time seen; time never runs backwards
         self.ready_at = ready_at
         self._pool = _BlockPool(profile.num_gpu_blocks)
@@ -405,9 +411,16 @@ class EngineModel:
 
         # 2. Waiting sequences, FIFO; none in a step that had to preempt (as in vLLM).
         if not result.preempted:
-            while self._waiting and budget > 0 and len(self._running) < p.max_num_seqs:
+            while self._waiting and budget > 0:
                 seq = self._waiting[0]
+                if len(self._running) >= p.max_num_seqs:
+                    if not self._preempt_for(seq, 0, result, scheduled):
+                        break  # every slot taken (by requests it may not preempt)
+                    budget = p.max_num_batched_tokens - sum(k for _, k in scheduled)
                 n = self._admit(seq, budget)
+                if n == 0 and self._preempt_for(seq, self._shortfall(seq, budget), result, scheduled):
+                    budget = p.max_num_batched_tokens - sum(k for _, k in scheduled)
+                    n = self._admit(seq, budget)
                 if n == 0:
                     break  # not enough free blocks: the head waits, and so does everyone behind it
                 self._waiting.popleft()
@@ -483,6 +496,44 @@ class EngineModel:
             if victim is seq:
                 return False
         return True
+
+    def _preempt_for(
+        self, seq: _Seq, blocks: int, result: StepResult, scheduled: list[tuple[_Seq, int]]
+    ) -> bool:
+        """With `preemption_threshold`: preempt the lowest-priority running sequences more than that
+        much below waiting `seq` until `blocks` blocks and a slot are free for it; nothing when they
+        would not be enough (SGLang's rule). False when nothing was preempted."""
+        threshold = self.preemption_threshold
+        if threshold is None:
+            return False
+        slot = len(self._running) >= self.profile.max_num_seqs
+        lower = [s for s in self._running if s.priority - seq.priority > threshold]
+        lower.sort(key=_order, reverse=True)
+        chosen: list[_Seq] = []
+        freed = 0
+        for victim in lower:
+            if freed >= blocks and (chosen or not slot):
+                break
+            chosen.append(victim)
+            freed += sum(1 for b in victim.blocks if b.ref_count == 1)
+        if not chosen or freed < blocks:
+            return False
+        for victim in chosen:
+            self._running.remove(victim)
+            scheduled[:] = [(s, k) for s, k in scheduled if s is not victim]
+            self._preempt(victim)
+            result.preempted.append(victim.request_id)
+        return True
+
+    def _shortfall(self, seq: _Seq, budget: int) -> int:
+        """Blocks missing for admitting waiting `seq` now (`_admit`'s arithmetic, no change)."""
+        bs = self.profile.block_size
+        count = (len(seq.tokens) - 1) // bs
+        hits = self._pool.longest_hit(self._full_hashes(seq, count), count)
+        n = min(len(seq.tokens) - len(hits) * bs, budget)
+        need = self._blocks_for(len(hits) * bs + n) - len(hits)
+        reclaimed = sum(1 for b in hits if b.ref_count == 0)
+        return max(0, need - (self._pool.num_free - reclaimed))
 
     def _grow(self, seq: _Seq, n: int) -> bool:
         need = self._blocks_for(seq.num_computed + n) - len(seq.blocks)

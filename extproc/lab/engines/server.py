@@ -157,6 +157,7 @@ class SimEngine:
         lora_slots: int = 0,
         lora_load_s: float = 0.3,
         scheduling_policy: str = "fcfs",
+        preemption_threshold: int | None = None,
     ) -> None:
         self.name = name
         # vLLM's --scheduling-policy: "priority" orders the engine model's queue by the request
@@ -185,6 +186,7 @@ class SimEngine:
                 ready_at=ready_delay_s * time_scale,
                 kv_events=kv_events_port is not None,
                 scheduling_policy=scheduling_policy,
+                preemption_threshold=preemption_threshold,
             )
             self.driver = ModelDriver(engine_model, time_scale)
         self.ready = True  # /health answers 503 while False (model "loading")
@@ -835,6 +837,7 @@ async def run_engines(
     kv_events_port: int | None = None,
     kv_events_topic: str = "",
     scheduling_policy: str = "fcfs",
+    preemption_threshold: int | None = None,
 ) -> None:
     """`llm-extproc sim`: one engine per delay (or per profile), on consecutive ports, until interrupted.
     Like vLLM, these engines answer 404 for a model other than `model`. With `kv_events_port` (and
@@ -852,6 +855,7 @@ async def run_engines(
             kv_events_port=None if kv_events_port is None else (kv_events_port + i if kv_events_port else 0),
             kv_events_topic=kv_events_topic,
             scheduling_policy=scheduling_policy,
+            preemption_threshold=preemption_threshold,
         )
         for i, p in enumerate(kinds)
     ]
