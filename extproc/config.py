@@ -316,13 +316,18 @@ def config_from_dict(
             raise
         except (ValueError, OSError) as exc:
             raise ConfigError(f"config: {exc}") from None
+    engine_priority = engine_priority_settings(raw.get("engine_priority"))
+    if engine_priority is not None and engine_priority.clusters is not None:
+        unknown = sorted(engine_priority.clusters - set(pool.cluster_names()))
+        if unknown:
+            raise ConfigError(f"config: 'engine_priority.clusters' names clusters not in the pool: {unknown}")
     return ServiceConfig(
         discovery=discovery,
         bodies=_bodies(raw.get("bodies")),
         sync=_sync(raw.get("sync")),
         explain=explain_settings(raw.get("explain")),
         admission=admission_settings(raw.get("admission")),
-        engine_priority=engine_priority_settings(raw.get("engine_priority")),
+        engine_priority=engine_priority,
         tokenizers=tokenizers,
         fleet=fleet,
         pool=pool,

@@ -246,6 +246,9 @@ class EnginePriority:
     critical: int = -1
     standard: int = 0
     sheddable: int = 1
+    clusters: frozenset[str] | None = None
+    """Only requests routed to these clusters are rewritten (None: every cluster): for a pool where
+    some engines do not run the priority policy (vLLM answers 400 to a non-zero priority there)."""
 
     def value(self, priority: int) -> int:
         """The engine's number for a request's priority (the header's integer: > 0 critical)."""
@@ -269,6 +272,8 @@ def engine_priority_settings(raw: Any, where: str = "config: 'engine_priority'")
     for key in ("critical", "standard", "sheddable"):
         if key in section:
             values[key] = integer(section[key], f"{where}.{key}")
+    if section.get("clusters") is not None:
+        values["clusters"] = frozenset(string_list(section["clusters"], f"{where}.clusters", empty=False))
     return EnginePriority(**values)
 
 

@@ -6,6 +6,7 @@ unless they run the priority policy, as vLLM does."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -115,3 +116,16 @@ async def test_a_chunked_body_is_rewritten_too(make_stack: Callable[..., Stack],
         assert r.status == 200, await r.text()
         assert r.request_info.headers.get("Transfer-Encoding") == "chunked"
     assert received(stack) == [-1]
+
+
+async def test_only_the_named_clusters_get_the_field(make_stack: Callable[..., Stack]) -> None:
+    """A pool where one cluster's engines run the priority policy and the other's do not:
+    `clusters:` keeps the field away from the second, whose engines would refuse it."""
+    stack = make_stack(service=service_config(engine_priority={"clusters": ["gpu-a"]}))
+    a, b = stack.engines.engines  # gpu-a, gpu-b
+    a.scheduling_policy, b.scheduling_policy = "priority", "fcfs"
+    body = {**CHAT, "max_tokens": 20}  # held ~0.1 s each: concurrent ones spread over both
+    results = await asyncio.gather(*(post(stack, body, **{"x-llm-priority": "critical"}) for _ in range(8)))
+    assert [status for status, _ in results] == [200] * 8, results
+    assert a.stats.priorities and set(a.stats.priorities) == {-1}
+    assert b.stats.priorities and set(b.stats.priorities) == {None}

@@ -62,6 +62,8 @@ def test_settings_defaults_values_and_errors() -> None:
         ({"field": "a b"}, "field must be a JSON field name"),
         ({"field": ""}, "field"),
         ({"urgent": 3}, "urgent"),
+        ({"clusters": []}, "clusters"),
+        ({"clusters": "gpu-a"}, "clusters"),
         ([1], "mapping"),
     ]:
         with pytest.raises(ConfigError, match=match):
@@ -75,3 +77,9 @@ def test_the_service_yaml_section(tmp_path: Path) -> None:
     assert cfg.engine_priority == EnginePriority(critical=-5)
     path.write_text("pool:\n  clusters:\n  - {name: gpu-a, models: ['*']}\n")
     assert load_config(path).engine_priority is None
+    pool = "pool:\n  clusters:\n  - {name: gpu-a, models: ['*']}\n  - {name: gpu-b, models: ['*']}\n"
+    path.write_text(pool + "engine_priority: {clusters: [gpu-b]}\n")
+    assert load_config(path).engine_priority == EnginePriority(clusters=frozenset({"gpu-b"}))
+    path.write_text(pool + "engine_priority: {clusters: [gpu-b, gpu-c]}\n")
+    with pytest.raises(ConfigError, match=r"not in the pool: \['gpu-c'\]"):
+        load_config(path)

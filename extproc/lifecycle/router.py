@@ -226,12 +226,16 @@ class RequestLifecycle:
         started += time.perf_counter() - waited  # the decision time does not count the queue
         return self._routed(self._schedule(request, profile, started, explain, subset), body)
 
-    async def engine_body(self, request: InferenceRequest, body: bytes | None) -> bytes | None:
+    async def engine_body(self, decision: Decision, body: bytes | None) -> bytes | None:
         """The body with the request's engine priority written in (`engine_priority:`), or None
-        when it goes unchanged: the setting is off, or the API has no such field. A big body is
-        rewritten on a worker thread (a parse and dump of 15 MB would hold the loop ~30 ms)."""
+        when it goes unchanged: the setting is off or leaves out the chosen cluster, or the API has
+        no such field. A big body is rewritten on a worker thread (a parse and dump of 15 MB would
+        hold the loop ~30 ms)."""
         ep = self.config.engine_priority
+        request = decision.request
         if ep is None or not body or request.api not in ENGINE_PRIORITY_APIS:
+            return None
+        if ep.clusters is not None and decision.upstream.cluster not in ep.clusters:
             return None
         value = ep.value(request.priority)
         if self.bodies.is_big(body):

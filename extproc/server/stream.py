@@ -203,7 +203,7 @@ class RequestStream:
             self.head, body, self.profile, explain=self.explain, subset=self.subset, route=self.route
         )
         self.decision = decision
-        rewritten = await self.lifecycle.engine_body(decision.request, body)
+        rewritten = await self.lifecycle.engine_body(decision, body)
         self.phase = Phase.ROUTED
         cfg = self.lifecycle.config
         if self.pending is not None:
