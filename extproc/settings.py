@@ -256,6 +256,12 @@ class EnginePriority:
             return self.critical
         return self.sheddable if priority < 0 else self.standard
 
+    def value_for(self, cluster: str, priority: int) -> int | None:
+        """`value`, for a request routed to `cluster`; None when `clusters` leaves it out."""
+        if self.clusters is not None and cluster not in self.clusters:
+            return None
+        return self.value(priority)
+
 
 def engine_priority_settings(raw: Any, where: str = "config: 'engine_priority'") -> EnginePriority | None:
     """None (off) when absent or null; `{}` turns it on with vLLM's numbers."""

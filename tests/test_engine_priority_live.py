@@ -81,7 +81,9 @@ async def test_without_the_setting_the_body_is_untouched(make_stack: Callable[..
     status, doc = await post(stack, {**CHAT, "priority": 5})  # what an engine in FCFS refuses, as vLLM does
     assert status == 400
     assert "priority scheduling is not enabled" in doc["error"]["message"]
-    assert received(stack) == [5, None]
+    status, doc = await post(stack, {**CHAT, "priority": "urgent"})  # not an integer: the engine's 400
+    assert status == 400 and doc["error"]["message"] == "priority must be an integer"
+    assert received(stack) == ["urgent", 5, None]  # sorted by repr
 
 
 async def test_engines_left_on_fcfs_refuse_every_class_but_standard(make_stack: Callable[..., Stack]) -> None:

@@ -54,6 +54,9 @@ def test_settings_defaults_values_and_errors() -> None:
     ep = engine_priority_settings({})
     assert ep == EnginePriority()
     assert (ep.value(1), ep.value(5), ep.value(0), ep.value(-1)) == (-1, -1, 0, 1)  # vLLM: lower first
+    only_a = EnginePriority(clusters=frozenset({"gpu-a"}))
+    assert (only_a.value_for("gpu-a", 1), only_a.value_for("gpu-b", 1)) == (-1, None)
+    assert ep.value_for("any", -1) == 1
     sglang_like = engine_priority_settings({"critical": 10, "standard": 5, "sheddable": 0, "field": "prio"})
     assert sglang_like == EnginePriority(field="prio", critical=10, standard=5, sheddable=0)
     for raw, match in [

@@ -183,7 +183,7 @@ def test_priority_policy_admits_by_priority_then_arrival() -> None:
     assert sorted(finished(results)) == sorted(rid for rid, _ in order)
 
 
-def test_fcfs_policy_keeps_arrival_order_and_rejects_priorities() -> None:
+def test_fcfs_policy_refuses_priorities_and_unknown_policies() -> None:
     m = EngineModel(TEST)
     with pytest.raises(ValueError, match="priority scheduling is not enabled"):
         m.submit("a", prompt(80, 4), 3, 0.0, priority=-1)

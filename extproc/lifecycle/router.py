@@ -235,9 +235,9 @@ class RequestLifecycle:
         request = decision.request
         if ep is None or not body or request.api not in ENGINE_PRIORITY_APIS:
             return None
-        if ep.clusters is not None and decision.upstream.cluster not in ep.clusters:
+        value = ep.value_for(decision.upstream.cluster, request.priority)
+        if value is None:
             return None
-        value = ep.value(request.priority)
         if self.bodies.is_big(body):
             return await asyncio.to_thread(set_field, body, ep.field, value)
         return set_field(body, ep.field, value)

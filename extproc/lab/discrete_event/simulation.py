@@ -396,9 +396,8 @@ class ExtprocPolicy:
         ep = self.config.engine_priority
         if ep is None or req.decision is None:
             return 0
-        if ep.clusters is not None and req.decision.upstream.cluster not in ep.clusters:
-            return 0
-        return ep.value(req.decision.request.priority)
+        value = ep.value_for(req.decision.upstream.cluster, req.decision.request.priority)
+        return 0 if value is None else value
 
     @property
     def sharing(self) -> bool:

@@ -400,7 +400,7 @@ class EngineModel:
             preempted = len(result.preempted)
             fits = self._make_room(seq, n, result, scheduled)
             if len(result.preempted) != preempted and self.by_priority:
-                budget = p.max_num_batched_tokens - sum(k for _, k in scheduled)
+                budget = self._budget_left(scheduled)
             if not fits:
                 # seq itself was preempted (FCFS: the ones after it already were). vLLM stops here
                 # under the priority policy too (its PR 26765, to go on, was not merged).
@@ -416,10 +416,10 @@ class EngineModel:
                 if len(self._running) >= p.max_num_seqs:
                     if not self._preempt_for(seq, 0, result, scheduled):
                         break  # every slot taken (by requests it may not preempt)
-                    budget = p.max_num_batched_tokens - sum(k for _, k in scheduled)
+                    budget = self._budget_left(scheduled)
                 n = self._admit(seq, budget)
-                if n == 0 and self._preempt_for(seq, self._shortfall(seq, budget), result, scheduled):
-                    budget = p.max_num_batched_tokens - sum(k for _, k in scheduled)
+                if n == 0 and self._preempt_for(seq, self._admission_plan(seq, budget)[3], result, scheduled):
+                    budget = self._budget_left(scheduled)
                     n = self._admit(seq, budget)
                 if n == 0:
                     break  # not enough free blocks: the head waits, and so does everyone behind it
@@ -487,8 +487,7 @@ class EngineModel:
         while not self._grow(seq, n):
             if self.by_priority:
                 victim = max(self._running, key=_order)
-                self._running.remove(victim)
-                scheduled[:] = [(s, k) for s, k in scheduled if s is not victim]
+                self._leave_step(victim, scheduled)
             else:
                 victim = self._running.pop()
             self._preempt(victim)
@@ -496,6 +495,15 @@ class EngineModel:
             if victim is seq:
                 return False
         return True
+
+    def _leave_step(self, victim: _Seq, scheduled: list[tuple[_Seq, int]]) -> None:
+        """A running sequence about to be preempted leaves the batch, and this step if it was in it."""
+        self._running.remove(victim)
+        scheduled[:] = [(s, k) for s, k in scheduled if s is not victim]
+
+    def _budget_left(self, scheduled: list[tuple[_Seq, int]]) -> int:
+        """The step's token budget less what `scheduled` takes (recounted after a victim left)."""
+        return self.profile.max_num_batched_tokens - sum(k for _, k in scheduled)
 
     def _preempt_for(
         self, seq: _Seq, blocks: int, result: StepResult, scheduled: list[tuple[_Seq, int]]
@@ -519,21 +527,10 @@ class EngineModel:
         if not chosen or freed < blocks:
             return False
         for victim in chosen:
-            self._running.remove(victim)
-            scheduled[:] = [(s, k) for s, k in scheduled if s is not victim]
+            self._leave_step(victim, scheduled)
             self._preempt(victim)
             result.preempted.append(victim.request_id)
         return True
-
-    def _shortfall(self, seq: _Seq, budget: int) -> int:
-        """Blocks missing for admitting waiting `seq` now (`_admit`'s arithmetic, no change)."""
-        bs = self.profile.block_size
-        count = (len(seq.tokens) - 1) // bs
-        hits = self._pool.longest_hit(self._full_hashes(seq, count), count)
-        n = min(len(seq.tokens) - len(hits) * bs, budget)
-        need = self._blocks_for(len(hits) * bs + n) - len(hits)
-        reclaimed = sum(1 for b in hits if b.ref_count == 0)
-        return max(0, need - (self._pool.num_free - reclaimed))
 
     def _grow(self, seq: _Seq, n: int) -> bool:
         need = self._blocks_for(seq.num_computed + n) - len(seq.blocks)
@@ -553,9 +550,9 @@ class EngineModel:
         self.preemptions_total += 1
         self._enqueue(seq, front=True)
 
-    def _admit(self, seq: _Seq, budget: int) -> int:
-        """Give a waiting sequence its cached prefix and blocks for its first chunk; the chunk's size,
-        or 0 if the blocks are not there (then nothing changes)."""
+    def _admission_plan(self, seq: _Seq, budget: int) -> tuple[list[_Block], int, int, int]:
+        """(cached blocks it would reuse, its first chunk's tokens, new blocks that chunk needs,
+        blocks missing for them now) for admitting waiting `seq`; no state changes."""
         bs = self.profile.block_size
         count = (len(seq.tokens) - 1) // bs
         hits = self._pool.longest_hit(self._full_hashes(seq, count), count)
@@ -563,8 +560,15 @@ class EngineModel:
         n = min(len(seq.tokens) - cached, budget)
         need = self._blocks_for(cached + n) - len(hits)
         reclaimed = sum(1 for b in hits if b.ref_count == 0)  # hits that sit in the free queue
-        if need > self._pool.num_free - reclaimed:
+        return hits, n, need, max(0, need - (self._pool.num_free - reclaimed))
+
+    def _admit(self, seq: _Seq, budget: int) -> int:
+        """Give a waiting sequence its cached prefix and blocks for its first chunk; the chunk's size,
+        or 0 if the blocks are not there (then nothing changes)."""
+        hits, n, need, missing = self._admission_plan(seq, budget)
+        if missing:
             return 0
+        cached = len(hits) * self.profile.block_size
         self._pool.touch(hits)
         seq.blocks = [*hits, *self._pool.allocate(need)]
         seq.num_computed = cached
