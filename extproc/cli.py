@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import os
 import socket
 import sys
 from collections.abc import Coroutine
@@ -133,6 +134,8 @@ def _doctor(args: argparse.Namespace) -> int:
         envoy_config=args.envoy_config,
         redis_url=args.redis,
         timeout_s=args.timeout,
+        probe_engines=args.probe_engines,
+        engine_api_key=os.environ.get("LLM_EXTPROC_ENGINE_API_KEY") or None,
     )
     text, status = report(_run(run_doctor_until(opts, args.wait)))
     print(text)
@@ -591,6 +594,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--redis", help="Redis URL holding the snapshots (default: the YAML's fleet.url)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds allowed for each part's answers")
+    p.add_argument(
+        "--probe-engines",
+        action="store_true",
+        help="with engine_priority: send each engine it writes to (at its snapshot's address) a "
+        "one-token completion carrying a non-zero priority, to find engines that refuse it (vLLM not "
+        "started with --scheduling-policy priority); bearer token from $LLM_EXTPROC_ENGINE_API_KEY",
+    )
     p.add_argument(
         "--wait",
         type=float,

@@ -3,6 +3,8 @@
 Reads what the parts themselves read: the service YAML (as `serve` loads it), Envoy's admin API
 (/ready, /clusters, /config_dump) or an envoy.yaml file, and the snapshot keys in Redis (decoded and
 validated as the service's RedisFeed does). One `Check` per question; nothing is changed anywhere.
+Only when asked (`--probe-engines`) does it send each engine `engine_priority:` writes to one
+one-token completion, since vLLM does not publish whether it schedules by priority.
 An operator tool at the command-line layer: it never imports the lab.
 """
 
@@ -49,6 +51,10 @@ class DoctorOptions:
     envoy_config: str | None = None
     redis_url: str | None = None
     timeout_s: float = 3.0
+    # Send each engine that `engine_priority:` writes to a one-token request carrying a non-zero
+    # priority (the engines' own check: vLLM on FCFS answers 400). Off: doctor changes nothing.
+    probe_engines: bool = False
+    engine_api_key: str | None = None
 
 
 async def run_doctor(opts: DoctorOptions) -> list[Check]:
@@ -92,10 +98,14 @@ async def run_doctor(opts: DoctorOptions) -> list[Check]:
                 Check("clusters agree", None, "not checked: pass --envoy-admin or --envoy-config envoy.yaml")
             )
         settings = _redis_settings(config, opts.redis_url)
+        states: list[InstanceState] = []
         if settings is None:
             checks.append(Check("redis", None, "no `fleet:` in the service YAML and no --redis: static pool"))
         else:
-            checks.extend(await _check_redis(settings, config, opts.timeout_s))
+            found, states = await _check_redis(settings, config, opts.timeout_s)
+            checks.extend(found)
+        if config.engine_priority is not None:
+            checks.extend(await _check_engine_priority(config, states, opts))
     return checks
 
 
@@ -260,7 +270,10 @@ def _redis_settings(config: ServiceConfig, url: str | None) -> RedisSettings | N
     return dataclasses.replace(config.fleet, url=redis_settings({"url": url}, "--redis").url)
 
 
-async def _check_redis(settings: RedisSettings, config: ServiceConfig, timeout_s: float) -> list[Check]:
+async def _check_redis(
+    settings: RedisSettings, config: ServiceConfig, timeout_s: float
+) -> tuple[list[Check], list[InstanceState]]:
+    """The Redis checks, and the snapshots read (for the engine probes)."""
     client = redis_client(settings)
     shown = settings.url.split("@")[-1]
     try:
@@ -278,12 +291,12 @@ async def _check_redis(settings: RedisSettings, config: ServiceConfig, timeout_s
                 "`fleet.url` / --redis",
             ),
             Check("snapshots", False, "cannot read them without Redis"),
-        ]
+        ], []
     finally:
         await client.aclose()
     out = [Check("redis", True, f"{shown}: PONG, prefix {settings.prefix}")]
     out.extend(_snapshot_checks(states, rejected, config, settings))
-    return out
+    return out, states
 
 
 async def _read_snapshots(
@@ -350,6 +363,75 @@ def _snapshot_checks(
             Check("snapshots valid", False, f"{len(rejected)} rejected as the service would: {rejected[:3]}")
         )
     return out
+
+
+# -- engines -------------------------------------------------------------------------------------
+async def _check_engine_priority(
+    config: ServiceConfig, states: list[InstanceState], opts: DoctorOptions
+) -> list[Check]:
+    """With `engine_priority:`, every engine it writes to must schedule by the field: vLLM left on
+    FCFS answers 400 to a non-zero priority, i.e. to every critical and sheddable request. vLLM does
+    not publish its policy, so the only check is to ask: one request of one token per engine, at the
+    address its snapshot gives."""
+    ep = config.engine_priority
+    assert ep is not None
+    clusters = [c for c in config.pool.clusters if ep.clusters is None or c.name in ep.clusters]
+    names = ", ".join(c.name for c in clusters)
+    if not opts.probe_engines:
+        return [
+            Check(
+                "engine priority",
+                None,
+                f"`{ep.field}` is written for clusters {names}; their engines must schedule by it "
+                "(vLLM: --scheduling-policy priority) or they answer 400: pass --probe-engines to ask them",
+            )
+        ]
+    value = next((v for v in (ep.critical, ep.sheddable, ep.standard) if v != 0), None)
+    if value is None:
+        return [Check("engine priority", None, "every class is written as 0: nothing an engine could refuse")]
+    now = time.time()
+    headers = {"Authorization": f"Bearer {opts.engine_api_key}"} if opts.engine_api_key else {}
+    timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
+    out: list[Check] = []
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+        for spec in clusters:
+            targets = [s for s in states if s.cluster == spec.name and s.address and s.ready and s.fresh(now)]
+            name = f"engine priority {spec.name}"
+            if not targets:
+                out.append(Check(name, None, "no fresh READY snapshot with an address: nothing to ask"))
+                continue
+            answers = await asyncio.gather(
+                *(_probe_priority(session, s, spec.models, ep.field, value) for s in targets)
+            )
+            bad = [a for ok, a in answers if not ok]
+            good = [a for ok, a in answers if ok]
+            out.append(Check(name, not bad, "; ".join(bad or good)))
+    return out
+
+
+async def _probe_priority(
+    session: aiohttp.ClientSession, state: InstanceState, models: tuple[str, ...], field: str, value: int
+) -> tuple[bool, str]:
+    """(accepted, what to say) for one engine."""
+    model = next((m for m in models if m in state.models), None) or next(iter(sorted(state.models)), None)
+    model = model or (models[0] if models else None)
+    where = f"{state.upstream_id} ({state.address})"
+    if model is None:
+        return False, f"{where}: its snapshot names no model to ask for"
+    body = {"model": model, "prompt": "ping", "max_tokens": 1, field: value}
+    try:
+        async with session.post(f"http://{state.address}/v1/completions", json=body) as r:
+            status, text = r.status, await r.text()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return False, f"{where}: no answer ({type(exc).__name__}: {exc or 'timeout'})"
+    if status == 200:
+        return True, f"{where} accepts {field} {value}"
+    if status == 400 and "priority" in text.lower():
+        return False, (
+            f"{where} refuses {field} {value} (HTTP 400: {text.strip()[:160]}): start it with "
+            "--scheduling-policy priority (vLLM), or leave its cluster out of engine_priority.clusters"
+        )
+    return False, f"{where}: HTTP {status} to a one-token request: {text.strip()[:160]}"
 
 
 def report(checks: list[Check]) -> tuple[str, int]:

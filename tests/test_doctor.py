@@ -211,3 +211,52 @@ def test_envoy_down_and_service_down(setup: Setup, capsys: pytest.CaptureFixture
     assert checks["envoy admin"].ok is False and "is Envoy running" in checks["envoy admin"].detail
     assert main(["doctor", "--config", setup.config, "--envoy-admin", setup.admin]) == 1
     assert "FAIL envoy admin:" in capsys.readouterr().out
+
+
+def test_engine_priority_probe_finds_engines_left_on_fcfs(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM does not publish its scheduling policy; with `engine_priority:` an engine left on FCFS
+    answers 400 to every critical and sheddable request. `--probe-engines` asks each engine."""
+    cfg = yaml.safe_load(Path(setup.config).read_text())
+    path = tmp_path / "service.yaml"
+
+    def with_engine_priority(section: dict[str, object]) -> str:
+        path.write_text(yaml.safe_dump({**cfg, "engine_priority": section}))
+        return str(path)
+
+    # Not asked for: skipped, saying how to ask; the engines saw nothing.
+    check = setup.doctor(config=with_engine_priority({}))["engine priority"]
+    assert check.ok is None and "--probe-engines" in check.detail and "gpu-a, gpu-b" in check.detail
+    a, b = setup.stack.engines.engines  # gpu-a, gpu-b
+    assert not a.stats.priorities and not b.stats.priorities
+    a.scheduling_policy = "priority"  # b stays on FCFS
+    try:
+        checks = setup.doctor(config=with_engine_priority({}), probe_engines=True)
+        good, bad = checks["engine priority gpu-a"], checks["engine priority gpu-b"]
+        assert good.ok is True and "accepts priority -1" in good.detail, good
+        assert bad.ok is False and "HTTP 400" in bad.detail and "--scheduling-policy priority" in bad.detail
+        assert "engine_priority.clusters" in bad.detail
+        assert a.stats.priorities == [-1] and b.stats.priorities == [-1]
+        # The command: exit status 1, the FAIL line names the engine.
+        args = ["doctor", "--config", str(path), "--envoy-admin", setup.admin, "--probe-engines"]
+        assert main(args) == 1
+        assert f"FAIL engine priority gpu-b: gpu-b/127.0.0.1:{setup.stack.engines.ports[1]}" in (
+            capsys.readouterr().out
+        )
+        # `clusters:` leaves gpu-b out: it is not asked, and everything passes.
+        asked_b = len(b.stats.priorities)
+        checks = setup.doctor(config=with_engine_priority({"clusters": ["gpu-a"]}), probe_engines=True)
+        assert "engine priority gpu-b" not in checks and checks["engine priority gpu-a"].ok is True
+        assert len(b.stats.priorities) == asked_b
+        # Numbers the engines would read as higher-first: the critical value is what is sent.
+        higher_first = with_engine_priority({"critical": 7, "sheddable": -3})
+        checks = setup.doctor(config=higher_first, probe_engines=True)
+        assert "accepts priority 7" in checks["engine priority gpu-a"].detail
+        # Every class written as 0: nothing any engine could refuse, so nothing is sent.
+        zero = {"critical": 0, "standard": 0, "sheddable": 0}
+        sent = len(a.stats.priorities)
+        check = setup.doctor(config=with_engine_priority(zero), probe_engines=True)["engine priority"]
+        assert check.ok is None and "as 0" in check.detail and len(a.stats.priorities) == sent
+    finally:
+        a.scheduling_policy = "fcfs"
