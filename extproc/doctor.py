@@ -33,14 +33,16 @@ DEFAULT_EXT_PROC_CLUSTER = "llm-extproc"
 
 @dataclass(slots=True)
 class Check:
-    """One answer: `ok` None means skipped (nothing to check), with why in `detail`."""
+    """One answer: `ok` None means skipped (nothing to check), with why in `detail`. `warn`: it
+    works, but worse than it could (printed WARN; the exit status stays 0)."""
 
     name: str
     ok: bool | None
     detail: str
+    warn: bool = False
 
     def line(self) -> str:
-        status = "SKIP" if self.ok is None else "OK" if self.ok else "FAIL"
+        status = "SKIP" if self.ok is None else ("WARN" if self.warn else "OK") if self.ok else "FAIL"
         return f"{status:<4} {self.name}: {self.detail}"
 
 
@@ -358,6 +360,11 @@ def _snapshot_checks(
             out.append(Check(name, False, "; ".join(problems)))
         else:
             out.append(Check(name, True, ", ".join(good)))
+            blind = [f"{s.upstream_id}: {', '.join(m)}" for s in found if (m := _missing_signals(s))]
+            if blind:
+                out.append(
+                    Check(f"signals {spec.name}", True, f"{'; '.join(blind)}: {SIGNALS_FIX}", warn=True)
+                )
     if rejected:
         out.append(
             Check("snapshots valid", False, f"{len(rejected)} rejected as the service would: {rejected[:3]}")
@@ -434,9 +441,29 @@ async def _probe_priority(
     return False, f"{where}: HTTP {status} to a one-token request: {text.strip()[:160]}"
 
 
+SIGNALS_FIX = (
+    "it is routed, but blind there. Is the publisher's `engine` for it the server it scrapes (vllm, "
+    "sglang, ...; docs/engines.md lists what each publishes), and does its /metrics answer?"
+)
+
+
+def _missing_signals(s: InstanceState) -> list[str]:
+    """What a READY snapshot lacks that the default profile reads (what the engines' metrics should
+    give): without load figures the fleet's median stands in for its queues; without its KV
+    capacity the cache model assumes `default_kv_tokens`."""
+    missing = []
+    if s.num_running is None and s.num_waiting is None and s.kv_cache_usage is None:
+        missing.append("no load figures (running, waiting, KV usage)")
+    if not s.kv_blocks_total or not s.block_size:
+        missing.append("no KV capacity (blocks and block size)")
+    return missing
+
+
 def report(checks: list[Check]) -> tuple[str, int]:
-    """The printed lines and the exit status (1 when any check failed)."""
+    """The printed lines and the exit status (1 when any check failed; warnings do not count)."""
     failed = sum(1 for c in checks if c.ok is False)
+    warned = sum(1 for c in checks if c.ok and c.warn)
     lines = [c.line() for c in checks]
-    lines.append(f"{failed} check(s) failed" if failed else "all checks passed")
+    note = f" ({warned} warning{'s' if warned > 1 else ''})" if warned else ""
+    lines.append(f"{failed} check(s) failed{note}" if failed else f"all checks passed{note}")
     return "\n".join(lines), 1 if failed else 0

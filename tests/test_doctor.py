@@ -260,3 +260,38 @@ def test_engine_priority_probe_finds_engines_left_on_fcfs(
         assert check.ok is None and "as 0" in check.detail and len(a.stats.priorities) == sent
     finally:
         a.scheduling_policy = "fcfs"
+
+
+def test_a_snapshot_without_load_or_kv_figures_is_a_warning(
+    setup: Setup, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A publisher told the wrong engine type reads none of the server's metric names: the snapshot
+    is fresh and READY, so the service routes there, but on the fleet's median load and an assumed
+    KV size. The doctor says so (WARN) without failing."""
+    checks = setup.doctor()
+    assert "signals gpu-b" not in checks  # the simulated engines publish everything
+    snap = spb.UpstreamSnapshot(
+        upstream_id="gpu-b/127.0.0.1:1",
+        cluster="gpu-b",
+        address="127.0.0.1:1",
+        engine="tgi",
+        readiness=spb.READY,
+        published_at_ms=int(time.time() * 1000),
+        ttl_ms=60_000,
+        publisher_id="misconfigured",
+        load_presence=True,  # as `llm-extproc publish` writes: unset load fields are unknown, not 0
+    )
+    key = RedisSettings(pool="default").key(snap.upstream_id)
+    redis.Redis.from_url(setup.redis.url).set(key, snap.SerializeToString(), px=60_000)
+    checks = setup.doctor()
+    warn = checks["signals gpu-b"]
+    assert warn.ok is True and warn.warn
+    assert warn.detail.startswith(
+        "gpu-b/127.0.0.1:1: no load figures (running, waiting, KV usage), no KV capacity"
+    )
+    assert "`engine`" in warn.detail and f"gpu-b/127.0.0.1:{setup.stack.engines.ports[1]}" not in warn.detail
+    assert checks["snapshots gpu-b"].ok is True and "signals gpu-a" not in checks
+    assert main(["doctor", "--config", setup.config, "--envoy-admin", setup.admin]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "all checks passed (1 warning)"
+    assert any(line.startswith("WARN signals gpu-b: gpu-b/127.0.0.1:1") for line in out)
