@@ -57,6 +57,15 @@ class Setup:
         ]
 
 
+def put_snapshot(setup: Setup, **fields: object) -> None:
+    """A READY snapshot of a second gpu-b instance, written into Redis beside the publisher's."""
+    snap = spb.UpstreamSnapshot(
+        upstream_id="gpu-b/127.0.0.1:1", cluster="gpu-b", address="127.0.0.1:1", readiness=spb.READY, **fields
+    )
+    key = RedisSettings(pool="default").key(snap.upstream_id)
+    redis.Redis.from_url(setup.redis.url).set(key, snap.SerializeToString(), px=60_000)
+
+
 @pytest.fixture
 def setup(make_stack: Callable[..., Stack], redis_server: RedisProcess, tmp_path: Path) -> Iterator[Setup]:
     fleet = {"url": redis_server.url, "pool": "default", "resync_interval_s": 1.0}
@@ -166,19 +175,14 @@ def test_stopped_publisher_leaves_no_or_stale_snapshots(setup: Setup) -> None:
     check = setup.doctor()["snapshots gpu-a"]
     assert "no snapshot" in check.detail and "llm-extproc publish" in check.detail
     # A snapshot still in Redis but past its own TTL (a publisher whose clock or key TTL is off) is stale.
-    snap = spb.UpstreamSnapshot(
-        upstream_id="gpu-b/127.0.0.1:1",
-        cluster="gpu-b",
-        address="127.0.0.1:1",
+    put_snapshot(
+        setup,
         engine="vllm",
-        readiness=spb.READY,
         published_at_ms=int((time.time() - 60) * 1000),
         ttl_ms=3000,
         publisher_id="old-publisher",
         num_running=0,
     )
-    key = RedisSettings(pool="default").key(snap.upstream_id)
-    redis.Redis.from_url(setup.redis.url).set(key, snap.SerializeToString(), px=60_000)
     check = setup.doctor()["snapshots gpu-b"]
     assert check.ok is False and "stale" in check.detail and "old-publisher" in check.detail
 
@@ -270,19 +274,14 @@ def test_a_snapshot_without_load_or_kv_figures_is_a_warning(
     KV size. The doctor says so (WARN) without failing."""
     checks = setup.doctor()
     assert "signals gpu-b" not in checks  # the simulated engines publish everything
-    snap = spb.UpstreamSnapshot(
-        upstream_id="gpu-b/127.0.0.1:1",
-        cluster="gpu-b",
-        address="127.0.0.1:1",
+    put_snapshot(
+        setup,
         engine="tgi",
-        readiness=spb.READY,
         published_at_ms=int(time.time() * 1000),
         ttl_ms=60_000,
         publisher_id="misconfigured",
         load_presence=True,  # as `llm-extproc publish` writes: unset load fields are unknown, not 0
     )
-    key = RedisSettings(pool="default").key(snap.upstream_id)
-    redis.Redis.from_url(setup.redis.url).set(key, snap.SerializeToString(), px=60_000)
     checks = setup.doctor()
     warn = checks["signals gpu-b"]
     assert warn.ok is True and warn.warn
