@@ -420,11 +420,12 @@ async def _probe_priority(
     session: aiohttp.ClientSession, state: InstanceState, models: tuple[str, ...], field: str, value: int
 ) -> tuple[bool, str]:
     """(accepted, what to say) for one engine."""
-    model = next((m for m in models if m in state.models), None) or next(iter(sorted(state.models)), None)
-    model = model or (models[0] if models else None)
+    # A model both the pool and the engine name, else any the engine names, else the pool's.
+    names = [m for m in models if m in state.models] or sorted(state.models) or list(models)
     where = f"{state.upstream_id} ({state.address})"
-    if model is None:
+    if not names:
         return False, f"{where}: its snapshot names no model to ask for"
+    model = names[0]
     body = {"model": model, "prompt": "ping", "max_tokens": 1, field: value}
     try:
         async with session.post(f"http://{state.address}/v1/completions", json=body) as r:

@@ -257,6 +257,17 @@ def test_engine_priority_probe_finds_engines_left_on_fcfs(
         higher_first = with_engine_priority({"critical": 7, "sheddable": -3})
         checks = setup.doctor(config=higher_first, probe_engines=True)
         assert "accepts priority 7" in checks["engine priority gpu-a"].detail
+        # An engine that does not answer (a snapshot whose address nobody listens on) fails too.
+        put_snapshot(
+            setup,
+            engine="vllm",
+            models=["sim-llama"],
+            published_at_ms=int(time.time() * 1000),
+            ttl_ms=60_000,
+            publisher_id="p",
+        )
+        check = setup.doctor(config=with_engine_priority({}), probe_engines=True)["engine priority gpu-b"]
+        assert check.ok is False and "gpu-b/127.0.0.1:1 (127.0.0.1:1): no answer" in check.detail
         # Every class written as 0: nothing any engine could refuse, so nothing is sent.
         zero = {"critical": 0, "standard": 0, "sheddable": 0}
         sent = len(a.stats.priorities)
