@@ -136,6 +136,7 @@ def _doctor(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         probe_engines=args.probe_engines,
         engine_api_key=os.environ.get("LLM_EXTPROC_ENGINE_API_KEY") or None,
+        service_metrics=args.service_metrics,
     )
     text, status = report(_run(run_doctor_until(opts, args.wait)))
     print(text)
@@ -287,6 +288,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.policies is None:  # a grid runs every policy; one workload, the original five
         args.policies = ",".join(POLICIES if args.grid else SIMULATE_POLICIES)
+        if args.grid == "pressure":  # with and without the engines' tokenizer, in every cell
+            args.policies += ",llm-extproc-token-ids"
     if args.grid:
         from extproc.lab.discrete_event.grid import run_des_grid
 
@@ -595,6 +598,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", help="Redis URL holding the snapshots (default: the YAML's fleet.url)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds allowed for each part's answers")
     p.add_argument(
+        "--service-metrics",
+        help="the service's /metrics URL, for its calibration against the engines (default: the YAML's "
+        "metrics_listen on loopback)",
+    )
+    p.add_argument(
         "--probe-engines",
         action="store_true",
         help="with engine_priority: send each engine it writes to (at its snapshot's address) a "
@@ -723,7 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_grid_options(
         p,
-        "run a robustness grid instead of one workload: smoke | default | full | report "
+        "run a robustness grid instead of one workload: smoke | default | full | report | pressure "
         "(cells, capacity and targets: docs/benchmarks.md); writes grid-NAME.json and .md under --out",
     )
     p.add_argument("--profiles", default="a10g-llama3-8b", help="GPU profile(s), cycled over the engines")

@@ -57,6 +57,9 @@ class DoctorOptions:
     # priority (the engines' own check: vLLM on FCFS answers 400). Off: doctor changes nothing.
     probe_engines: bool = False
     engine_api_key: str | None = None
+    # The service's /metrics (its calibration against the engines). None: from the YAML's
+    # metrics_listen (a wildcard address read on loopback).
+    service_metrics: str | None = None
 
 
 async def run_doctor(opts: DoctorOptions) -> list[Check]:
@@ -108,7 +111,101 @@ async def run_doctor(opts: DoctorOptions) -> list[Check]:
             checks.extend(found)
         if config.engine_priority is not None:
             checks.extend(await _check_engine_priority(config, states, opts))
+        checks.append(await _check_calibration(config, opts))
     return checks
+
+
+# -- calibration -------------------------------------------------------------------------------------
+RATIO_OK_TOKENIZER = (0.87, 1.15)  # with the engines' tokenizer the engines count what the service does
+RATIO_OK_ESTIMATE = (0.8, 1.25)  # bytes/4 within this of the engines' count: no tokenizer needed
+ERROR_WARN_RELATIVE = 1.0  # first tokens twice as late as predicted...
+ERROR_WARN_S = 0.5  # ... and by this much: tens of milliseconds late is not worth a warning
+
+
+def _metrics_url(config: ServiceConfig, opts: DoctorOptions) -> str | None:
+    if opts.service_metrics:
+        return opts.service_metrics.rstrip("/") + (
+            "" if opts.service_metrics.endswith("/metrics") else "/metrics"
+        )
+    listen = config.metrics_listen
+    if listen is None:
+        return None
+    host, _, port = listen.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}/metrics"
+
+
+def calibration_findings(text: str, config: ServiceConfig) -> tuple[list[str], list[str], dict[str, float]]:
+    """(warnings, notes, ratio by upstream) from the service's /metrics text: a token ratio far from
+    1 (with a tokenizer: the wrong one; without: bytes/4 miscounts and a tokenizer would help), and
+    upstreams whose first tokens come much later than predicted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ratios: dict[str, float] = {}
+    relative: dict[str, float] = {}
+    late: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            upstream = sample.labels.get("upstream", "")
+            if sample.name == "llm_extproc_calibration_token_ratio":
+                ratios[upstream] = sample.value
+            elif sample.name == "llm_extproc_calibration_ttft_relative_error":
+                relative[upstream] = max(relative.get(upstream, 0.0), sample.value)
+            elif sample.name == "llm_extproc_calibration_ttft_error_seconds":
+                late[upstream] = max(late.get(upstream, 0.0), sample.value)
+    registry = config.tokenizers
+    models = {c.name: c.models for c in config.pool.clusters}
+    warnings, notes = [], []
+    for upstream, ratio in sorted(ratios.items()):
+        cluster = upstream.split("/", 1)[0]
+        with_tokenizer = registry is not None and any(registry.is_exact(m) for m in models.get(cluster, ()))
+        lo, hi = RATIO_OK_TOKENIZER if with_tokenizer else RATIO_OK_ESTIMATE
+        if lo <= ratio <= hi:
+            continue
+        if with_tokenizer:
+            warnings.append(
+                f"{upstream} counts {ratio:.2f} tokens per token of the configured tokenizer: it is not "
+                "the engine's tokenizer (`tokenizers:` in the service YAML)"
+            )
+        else:
+            notes.append(
+                f"{upstream} counts {ratio:.2f} tokens per 4 bytes of text: calibrated, but configure "
+                "the engine's tokenizer (`tokenizers:`) for exact prefix matches"
+            )
+    for upstream, err in sorted(relative.items()):
+        if err > ERROR_WARN_RELATIVE and late.get(upstream, 0.0) > ERROR_WARN_S:
+            warnings.append(
+                f"{upstream}'s first tokens come {1 + err:.1f}x as late as predicted, "
+                f"{late[upstream]:.1f} s (something slows it that its metrics do not show; "
+                "docs/tuning.md, Calibration)"
+            )
+    return warnings, notes, ratios
+
+
+async def _check_calibration(config: ServiceConfig, opts: DoctorOptions) -> Check:
+    url = _metrics_url(config, opts)
+    if url is None:
+        return Check(
+            "calibration", None, "not checked: no metrics_listen in the YAML and no --service-metrics"
+        )
+    try:
+        timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as r:
+            text = await r.text()
+            if r.status != 200:
+                return Check("calibration", None, f"not checked: {url} answered {r.status}")
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return Check("calibration", None, f"not checked: {url} unreachable ({type(exc).__name__})")
+    warnings, notes, ratios = calibration_findings(text, config)
+    if not ratios:
+        return Check("calibration", None, "nothing learnt yet (no request routed since the service started)")
+    summary = (
+        f"token ratio {min(ratios.values()):.2f}-{max(ratios.values()):.2f} over {len(ratios)} upstreams"
+    )
+    if warnings:
+        return Check("calibration", True, "; ".join([*warnings, *notes]), warn=True)
+    return Check("calibration", True, "; ".join([summary, *notes]))
 
 
 async def run_doctor_until(opts: DoctorOptions, wait_s: float = 0.0) -> list[Check]:

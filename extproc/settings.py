@@ -101,11 +101,13 @@ DEFAULT_BODY_TRIM_INTERVAL_S = 2.0
 # model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global
 # KV-usage cut-off: a busy engine that holds the prompt's prefix is often still the best place for it.
 # Chosen in the discrete-event mode over the robustness grid (docs/benchmarks.md).
+# `bounded-load` keeps any engine from holding more than twice its share of the requests in flight,
+# whatever the model predicts (the floor under it: docs/tuning.md).
 # `slo-ttft`, `slo-tpot` and `decode-speed` act only on requests that carry a TTFT objective
 # (x-llm-ttft-slo-ms) or a TPOT objective (x-llm-tpot-slo-ms): for others they change nothing.
 # decode-speed's 0.6: docs/benchmarks.md, "Decode speed in placement".
 DEFAULT_PROFILE: dict[str, Any] = {
-    "filters": ["slo-ttft", "slo-tpot"],
+    "filters": ["bounded-load", "slo-ttft", "slo-tpot"],
     "scorers": [{"name": "predicted-ttft", "weight": 1.0}, {"name": "decode-speed", "weight": 0.6}],
     "picker": "max-score",
 }

@@ -340,7 +340,7 @@ class TestLoadConfig:
             ("decode-speed", 0.6),
         ]
         # no global KV-usage cut-off; slo-ttft / slo-tpot act only on requests with an objective
-        assert [plugin_name(f) for f in cfg.profile.filters] == ["slo-ttft", "slo-tpot"]
+        assert [plugin_name(f) for f in cfg.profile.filters] == ["bounded-load", "slo-ttft", "slo-tpot"]
         assert not cfg.admission.enabled and cfg.admission.max_wait_s < 2.0  # Envoy's message_timeout
         scorer = cfg.profile.scorers[0][0]
         assert isinstance(scorer, PredictedTtftScorer) and scorer.prefill_tokens_per_s == 2400

@@ -43,6 +43,7 @@ from extproc.settings import (
     ConfigError,
 )
 from extproc.telemetry import Metrics
+from extproc.telemetry.metrics import PLUGIN_FIGURES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -958,6 +959,9 @@ def exported_metric_names() -> set[str]:
                 names |= {f"{family.name}{s}" for s in ("_bucket", "_sum", "_count", "_created")}
             else:
                 names.add(family.name)
+    # The scheduling plugins' own figures: exposed once a plugin reports one (telemetry/metrics.py).
+    for name, kind, _ in PLUGIN_FIGURES.values():
+        names.add(f"{name}_total" if kind == "counter" else name)
     return names
 
 

@@ -46,7 +46,9 @@ class Setup:
     def doctor(self, **kw: object) -> dict[str, Check]:
         import asyncio
 
-        opts = DoctorOptions(config=self.config, envoy_admin=self.admin, timeout_s=2.0)
+        opts = DoctorOptions(
+            config=self.config, envoy_admin=self.admin, timeout_s=2.0, service_metrics=self.stack.metrics_url
+        )
         for k, v in kw.items():
             setattr(opts, k, v)
         return {c.name: c for c in asyncio.run(run_doctor(opts))}
@@ -94,7 +96,7 @@ def setup(make_stack: Callable[..., Stack], redis_server: RedisProcess, tmp_path
         )
     s = Setup(stack, redis_server, log)
     try:
-        assert wait_until(lambda: all(c.ok for c in s.doctor().values()), timeout=15), s.doctor()
+        assert wait_until(lambda: all(c.ok is not False for c in s.doctor().values()), timeout=15), s.doctor()
         s.proc = proc  # type: ignore[attr-defined]
         yield s
     finally:
@@ -112,16 +114,53 @@ def test_healthy_stack_passes_every_check(setup: Setup, capsys: pytest.CaptureFi
         "redis",
         "snapshots gpu-a",
         "snapshots gpu-b",
+        "calibration",
     }
-    assert all(c.ok for c in checks.values())
+    assert checks["calibration"].ok is None  # nothing routed yet: nothing learnt
+    assert all(c.ok for name, c in checks.items() if name != "calibration")
     assert f"127.0.0.1:{setup.stack.service_port}" in checks["llm-extproc cluster"].detail
     assert "READY" in checks["snapshots gpu-a"].detail
+    # Traffic: the publisher copies the engines' prompt-token counters into the snapshots, the
+    # service compares them with what it routed, the doctor reads the ratio off its /metrics (the
+    # simulated engines count ~4 characters a token, as bytes / 4 does: no note).
+    url = f"http://127.0.0.1:{setup.stack.listener_port}/v1/chat/completions"
+    for q in range(12):
+        body = {
+            "model": "sim-llama",
+            "messages": [{"role": "user", "content": f"question {q} " + "about the weather " * 40}],
+            "max_tokens": 4,
+        }
+        assert post_json(url, body) == 200
+    assert wait_until(lambda: setup.doctor()["calibration"].ok is True, timeout=15), setup.doctor()
+    calibration = setup.doctor()["calibration"]
+    assert "token ratio" in calibration.detail and not calibration.warn, calibration.detail
     # The command itself: one line per check, exit 0.
-    status = main(["doctor", "--config", setup.config, "--envoy-admin", setup.admin])
+    status = main(
+        [
+            "doctor",
+            "--config",
+            setup.config,
+            "--envoy-admin",
+            setup.admin,
+            "--service-metrics",
+            setup.stack.metrics_url,
+        ]
+    )
     out = capsys.readouterr().out.splitlines()
     assert status == 0
     assert out[-1] == "all checks passed"
-    assert all(line.startswith("OK ") for line in out[:-1]) and len(out) == 8
+    assert all(line.startswith("OK ") for line in out[:-1]) and len(out) == 9
+
+
+def post_json(url: str, body: dict[str, object]) -> int:
+    import urllib.request
+
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        r.read()
+        return int(r.status)
 
 
 def test_publish_logs_what_it_found_and_state_changes(setup: Setup) -> None:
@@ -305,3 +344,87 @@ def test_a_snapshot_without_load_or_kv_figures_is_a_warning(
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "all checks passed (1 warning)"
     assert any(line.startswith("WARN signals gpu-b: gpu-b/127.0.0.1:1") for line in out)
+
+
+# -- calibration (the service's /metrics) -------------------------------------------------------------
+
+
+def _calibration_metrics(ratios: dict[str, float], relative: dict[str, float] | None = None) -> str:
+    """The service's calibration series; an upstream's TTFT error is 0.8 s wherever `relative` names it."""
+    lines = ["# TYPE llm_extproc_calibration_token_ratio gauge"]
+    lines += [
+        f'llm_extproc_calibration_token_ratio{{profile="default",upstream="{u}"}} {r}'
+        for u, r in ratios.items()
+    ]
+    lines.append("# TYPE llm_extproc_calibration_ttft_relative_error gauge")
+    lines += [
+        f'llm_extproc_calibration_ttft_relative_error{{profile="default",upstream="{u}"}} {e}'
+        for u, e in (relative or {}).items()
+    ]
+    lines.append("# TYPE llm_extproc_calibration_ttft_error_seconds gauge")
+    lines += [
+        f'llm_extproc_calibration_ttft_error_seconds{{profile="default",upstream="{u}"}} 0.8'
+        for u in (relative or {})
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_calibration_findings_name_a_wrong_tokenizer_and_a_late_engine(tmp_path: Path) -> None:
+    from test_tokenization import train_bytelevel
+
+    from extproc.config import config_from_dict
+    from extproc.doctor import calibration_findings
+
+    train_bytelevel(tmp_path / "tokenizer.json")
+    pool = {"clusters": [{"name": "gpu-a", "models": ["llama"]}, {"name": "gpu-b", "models": ["other"]}]}
+    cfg = config_from_dict(
+        {"pool": pool, "metrics_listen": None, "tokenizers": {"llama": {"tokenizer_json": "tokenizer.json"}}},
+        base_dir=tmp_path,
+    )
+    # gpu-a has a tokenizer and the engines count 1.6x it: the wrong tokenizer. gpu-b has none and its
+    # engines count 0.57x bytes/4: calibrated, a note. Both alike otherwise: nothing to say.
+    warnings, notes, ratios = calibration_findings(
+        _calibration_metrics({"gpu-a": 1.6, "gpu-b": 0.57}, {"gpu-b": 1.8}), cfg
+    )
+    assert ratios == {"gpu-a": 1.6, "gpu-b": 0.57}
+    assert len(warnings) == 2
+    assert "gpu-a counts 1.60 tokens per token of the configured tokenizer" in warnings[0]
+    assert "gpu-b's first tokens come 2.8x as late as predicted" in warnings[1]
+    assert len(notes) == 1 and "gpu-b counts 0.57 tokens per 4 bytes" in notes[0]
+    assert calibration_findings(_calibration_metrics({"gpu-a": 1.02, "gpu-b": 1.1}), cfg)[:2] == ([], [])
+
+
+async def test_calibration_check_reads_the_services_metrics(tmp_path: Path) -> None:
+    from aiohttp import web
+    from builders import serve_http
+
+    from extproc.config import config_from_dict
+    from extproc.doctor import _check_calibration
+
+    cfg = config_from_dict(
+        {"pool": {"clusters": [{"name": "gpu-a", "models": ["m"]}]}, "metrics_listen": None}
+    )
+    text = _calibration_metrics({"gpu-a": 0.98})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    runner, port = await serve_http("GET", "/metrics", metrics)
+    try:
+        check = await _check_calibration(cfg, DoctorOptions(service_metrics=f"http://127.0.0.1:{port}"))
+        assert (
+            check.ok is True and not check.warn and "token ratio 0.98-0.98 over 1 upstreams" in check.detail
+        )
+        text = _calibration_metrics({"gpu-a": 0.98}, {"gpu-a": 3.0})
+        check = await _check_calibration(cfg, DoctorOptions(service_metrics=f"http://127.0.0.1:{port}"))
+        assert check.warn and "4.0x as late as predicted" in check.detail
+        text = "# nothing\n"
+        check = await _check_calibration(cfg, DoctorOptions(service_metrics=f"http://127.0.0.1:{port}"))
+        assert check.ok is None and "nothing learnt yet" in check.detail
+    finally:
+        await runner.cleanup()
+    gone = await _check_calibration(
+        cfg, DoctorOptions(service_metrics=f"http://127.0.0.1:{port}", timeout_s=1)
+    )
+    assert gone.ok is None and "unreachable" in gone.detail
+    assert (await _check_calibration(cfg, DoctorOptions())).ok is None  # no metrics_listen: not checked

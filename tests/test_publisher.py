@@ -359,6 +359,26 @@ def test_prefill_rate_from_llamacpp_counters_has_no_hits_to_subtract() -> None:
     )  # an unknown engine kind: no table row says what its counters mean
 
 
+def test_the_counters_readers_calibrate_against_are_copied_as_they_are() -> None:
+    """vLLM's prompt counter (cached tokens included) and the TTFT histogram's count and sum, as
+    cumulative values; SGLang's prompt counter is the one its table reads as prefix-cache queries;
+    llama.cpp's leaves cached tokens out: only the TTFT pair; without the pair, nothing."""
+    load = EngineLoad(prompt_tokens=19_000, prefix_cache_hits=7_000, ttft_sum=12.5, ttft_count=40)
+    snap = fill(load, _Previous(), "vllm")
+    assert (snap.prompt_tokens_total, snap.first_tokens_total, snap.ttft_seconds_total) == (19_000, 40, 12.5)
+    sglang = fill(EngineLoad(prefix_cache_queries=8_000, ttft_sum=1.0, ttft_count=4), _Previous(), "sglang")
+    assert (sglang.prompt_tokens_total, sglang.first_tokens_total) == (8_000, 4)
+    llama = fill(EngineLoad(prompt_tokens=500, ttft_sum=1.0, ttft_count=4), _Previous(), "llamacpp")
+    assert not llama.HasField("prompt_tokens_total") and llama.first_tokens_total == 4
+    blind = fill(EngineLoad(prompt_tokens=500), _Previous(), "vllm")
+    assert not blind.HasField("prompt_tokens_total") and not blind.HasField("first_tokens_total")
+    bad = spb.UpstreamSnapshot()
+    assert ("first_tokens_total", "nan") in _fill_load(
+        bad, EngineLoad(ttft_sum=1.0, ttft_count=float("nan")), _Previous()
+    )
+    assert not bad.HasField("ttft_seconds_total")
+
+
 # -- configuration -------------------------------------------------------------------------------------
 def write(tmp_path: Path, doc: Any) -> str:
     path = tmp_path / "publisher.yaml"

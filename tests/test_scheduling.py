@@ -23,6 +23,7 @@ from extproc.scheduling import (
     register,
     registered,
 )
+from extproc.scheduling.bounded_load import BoundedLoadFilter
 from extproc.scheduling.decode_speed import DecodeSpeedScorer
 from extproc.scheduling.plugins import (
     KvCacheUsageScorer,
@@ -562,7 +563,8 @@ class TestProfileFromConfig:
         ]
         assert profile.scorers[1][0].tpot_objective_s is None  # type: ignore[attr-defined]
         # no-ops for requests without objectives
-        assert [type(f) for f in profile.filters] == [SloTtftFilter, SloTpotFilter]
+        # the guard first (docs/tuning.md, "The floor"), then no-ops for requests without objectives
+        assert [type(f) for f in profile.filters] == [BoundedLoadFilter, SloTtftFilter, SloTpotFilter]
 
     def test_affinity_v1_profile(self) -> None:
         profile = profile_from_config("v1", AFFINITY_V1_PROFILE)
@@ -635,7 +637,14 @@ class TestProfileFromConfig:
 
 class TestRegistry:
     def test_registered_lists_builtins_sorted(self) -> None:
-        assert registered("filter") == ["lora-affinity", "max-inflight", "saturation", "slo-tpot", "slo-ttft"]
+        assert registered("filter") == [
+            "bounded-load",
+            "lora-affinity",
+            "max-inflight",
+            "saturation",
+            "slo-tpot",
+            "slo-ttft",
+        ]
         assert registered("scorer") == [
             "decode-speed",
             "gpu-utilization",

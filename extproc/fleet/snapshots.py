@@ -36,6 +36,7 @@ MAX_BLOCK_SIZE = 1 << 20
 MAX_MODEL_LEN = 1 << 30
 MAX_LATENCY_S = 3600.0
 MAX_PREFILL_TOKENS_PER_S = 1e8  # far above any GPU (an H100 prefills ~3e4 tokens/s of an 8B model)
+MAX_COUNTER = 1e18  # a cumulative engine counter (tokens, requests, seconds): finite and below this
 MAX_LORA_SLOTS = 4096  # adapters one engine holds in GPU memory at once (vLLM's default max_loras is 1)
 
 
@@ -84,6 +85,9 @@ class InstanceState:
     gpu_memory_usage: float | None = None
     prefill_tokens_per_s: float | None = None  # measured (publishers/prefill_rate.py); None: not yet
     gpu_model: str | None = None  # e.g. "NVIDIA H100 80GB HBM3" (fleet/gpus.py); None: not said
+    # The engine's cumulative counters (prompt tokens at first token, or None when not published;
+    # first tokens; TTFT seconds summed), or None without the TTFT pair (scheduling/calibration.py).
+    counters: tuple[float | None, float, float] | None = None
 
     @property
     def ready(self) -> bool:
@@ -173,7 +177,22 @@ def validate(
         gpu_memory_usage=_fraction(msg, "gpu_memory_usage"),
         prefill_tokens_per_s=_prefill_rate(msg),
         gpu_model=_gpu_model(msg.gpu_model),
+        counters=_counters(msg),
     )
+
+
+def _counters(msg: spb.UpstreamSnapshot) -> tuple[float | None, float, float] | None:
+    """(prompt tokens or None, first tokens, TTFT seconds), each finite and in [0, MAX_COUNTER]; None
+    without the TTFT pair. A missing or bad counter is not a reason to reject the snapshot, only to
+    learn less from it."""
+    out: list[float | None] = []
+    for name in ("prompt_tokens_total", "first_tokens_total", "ttft_seconds_total"):
+        v = getattr(msg, name) if msg.HasField(name) else None
+        out.append(v if v is not None and math.isfinite(v) and 0.0 <= v <= MAX_COUNTER else None)
+    prompt, first, ttft = out
+    if first is None or ttft is None:
+        return None
+    return prompt, first, ttft
 
 
 def _gpu_model(name: str) -> str | None:

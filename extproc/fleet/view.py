@@ -83,6 +83,10 @@ class Load:
     # Nominal prefill speed of its GPUs (fleet/gpus.py: dense tensor TFLOPS, only ratios count),
     # summed over the instances as prefill_tokens_per_s is; None: no instance's GPU is known.
     gpu_speed: float | None = None
+    # The engines' cumulative counters (prompt tokens at first token, first tokens, TTFT seconds),
+    # summed over the instances; None unless every instance publishes them (the prompt tokens alone
+    # None unless every instance publishes those).
+    counters: tuple[float | None, float, float] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -331,6 +335,7 @@ class _ExtraSignals(TypedDict):
     tpot_s: float | None
     prefill_tokens_per_s: float | None
     gpu_speed: float | None
+    counters: tuple[float | None, float, float] | None
 
 
 def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
@@ -343,7 +348,15 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
     tpot: list[float] = []
     prefill: list[float] = []
     nominal: list[float] = []
+    counters: tuple[float | None, float, float] | None = (0.0, 0.0, 0.0)
     for i in insts:
+        if counters is not None:
+            c = i.counters
+            if c is None:
+                counters = None
+            else:
+                prompt = None if counters[0] is None or c[0] is None else counters[0] + c[0]
+                counters = (prompt, counters[1] + c[1], counters[2] + c[2])
         adapters.update(i.lora_adapters)
         if i.max_lora is not None:
             slots += i.max_lora
@@ -371,6 +384,7 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
         "tpot_s": sum(tpot) / len(tpot) if tpot else None,
         "prefill_tokens_per_s": sum(prefill) * len(insts) / len(prefill) if prefill else None,
         "gpu_speed": sum(nominal) * len(insts) / len(nominal) if nominal else None,
+        "counters": counters if insts else None,
     }
 
 

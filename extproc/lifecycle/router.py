@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +106,14 @@ class RequestLifecycle:
         )
         keep = config.explain.keep_last
         self.decisions = DecisionLog(keep) if keep > 0 else None  # /debug/decisions
+        metrics.watch_plugins(self._plugin_figures)
+
+    def _plugin_figures(self) -> Iterator[tuple[str, str, str, float]]:
+        """The profiles' reporting plugins' figures (calibration, guard drops), for /metrics."""
+        for name, profile in list(self.config.profiles.items()):
+            for plugin in profile.reporting:
+                for figure, upstream, value in plugin.report():
+                    yield name, figure, upstream, value
 
     def close(self) -> None:
         """Stop the body parser processes (the service calls this when it stops)."""

@@ -32,6 +32,7 @@ from extproc.fleet.pool import parse_endpoint
 from extproc.fleet.redis_feed import redis_client, write_and_publish
 from extproc.fleet.snapshots import (
     MAX_BLOCK_SIZE,
+    MAX_COUNTER,
     MAX_ID_LEN,
     MAX_KV_BLOCKS,
     MAX_KV_USAGE,
@@ -761,6 +762,19 @@ def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) ->
             prev.prefill.update(load.prompt_tokens, cached, load.prefill_seconds)
     if prev.prefill.estimate is not None:  # the last figure stands while nothing new is measured
         snap.prefill_tokens_per_s = prev.prefill.estimate
+    # The counters readers calibrate against (scheduling/calibration.py): every prompt token, cached
+    # ones included (vLLM's prompt counter; SGLang's, which the table reads as prefix-cache queries),
+    # and the TTFT histogram's count and sum, as cumulative values.
+    prompt = load.prompt_tokens if row is not None and row.prompt_tokens_cached else None
+    if prompt is None:
+        prompt = load.prefix_cache_queries
+    prompt = _checked("prompt_tokens_total", prompt, MAX_COUNTER, rejected)
+    first = _checked("first_tokens_total", load.ttft_count, MAX_COUNTER, rejected)
+    ttft_total = _checked("ttft_seconds_total", load.ttft_sum, MAX_COUNTER, rejected)
+    if first is not None and ttft_total is not None:
+        snap.first_tokens_total, snap.ttft_seconds_total = first, ttft_total
+        if prompt is not None:
+            snap.prompt_tokens_total = prompt
     return rejected
 
 

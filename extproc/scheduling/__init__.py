@@ -1,5 +1,6 @@
 """Scheduling framework: filters -> weighted scorers -> picker, configured as named profiles."""
 
+from extproc.scheduling import bounded_load as _bounded_load  # noqa: F401
 from extproc.scheduling import decode_speed as _decode_speed  # noqa: F401
 from extproc.scheduling import gpu as _gpu  # noqa: F401
 from extproc.scheduling import latency as _latency  # noqa: F401
@@ -19,6 +20,7 @@ from extproc.scheduling.framework import (
     PickHook,
     PluginTimer,
     Profile,
+    Reporting,
     Scorer,
     SharedPlugin,
     build_filter,
@@ -41,6 +43,7 @@ __all__ = [
     "Picker",
     "PluginTimer",
     "Profile",
+    "Reporting",
     "Scorer",
     "SharedPlugin",
     "build_filter",

@@ -38,6 +38,7 @@ DECISION_HEADER = "x-llm-decision"
 HEADER_MODES = ("off", "on_request", "always")
 MAX_HEADER_BYTES = 512
 TOP_CANDIDATES = 3
+EXPLAINED_FIGURES = ("token_ratio", "ttft_error_s")  # reporting plugins' figures shown per upstream
 MAX_KEEP_LAST = 10_000
 
 
@@ -120,6 +121,9 @@ class Explanation:
     totals: list[float] = field(default_factory=list)
     picked: Upstream | None = None
     at: float = 0.0
+    # The profile's plugins with figures of their own (framework.Reporting): the picked upstream's
+    # calibration goes into the header, every candidate's into /debug/decisions.
+    reporting: tuple[Any, ...] = ()
     _rows: list[CandidateExplanation] | None = field(default=None, init=False, repr=False)
 
     def begin(
@@ -192,6 +196,8 @@ class Explanation:
         picked = self.picked.id if self.picked is not None else "none"
         survivors = self.kept[-1] if self.kept else self.offered
         out = f"{_token(picked)}; profile={_token(self.profile)}; candidates={len(survivors)}"
+        for name, value in self.figures(picked).items():
+            out += f"; {_token(name)}={value:.4g}"
         names = [_token(name) for name in self.scorer_labels()]
         ids, totals = self.scored_ids, self.totals
         if ids:
@@ -212,6 +218,15 @@ class Explanation:
             out = f"{out}, {item}"
         return out[:max_bytes]
 
+    def figures(self, upstream_id: str) -> dict[str, float]:
+        """The reporting plugins' figures about one upstream (e.g. its token ratio, its TTFT error)."""
+        out: dict[str, float] = {}
+        for plugin in self.reporting:
+            for name, uid, value in plugin.report():
+                if uid == upstream_id and name in EXPLAINED_FIGURES:
+                    out[name] = value
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         labels = self.scorer_labels()
         return {
@@ -228,6 +243,7 @@ class Explanation:
                     "id": c.upstream.id,
                     "cluster": c.upstream.cluster,
                     "dropped_by": c.dropped_by,
+                    "figures": self.figures(c.upstream.id),
                     "total": c.total,
                     "scores": {
                         name: {"raw": raw, "weight": weight, "contribution": contribution}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -106,6 +106,17 @@ class ProfileBound(Protocol):
     predictions); told its profile once, when the profile is built."""
 
     def bind_profile(self, profile: Profile) -> None: ...
+
+
+@runtime_checkable
+class Reporting(Protocol):
+    """A plugin with figures of its own for /metrics and the explain header (the calibration of
+    `predicted-ttft`, the drops of `bounded-load`). `report()` runs on the metrics server's thread at
+    scrape time: it copies what it reads in one step (the event loop changes it meanwhile)."""
+
+    def report(self) -> Iterator[tuple[str, str, float]]:
+        """(figure name, upstream id, value) rows; telemetry/metrics.py says what each name means."""
+        ...
 
 
 @runtime_checkable
@@ -246,10 +257,12 @@ class Profile:
     shared: tuple[tuple[str, SharedPlugin], ...] = field(init=False, default=())
     # What to hash a long prompt with before scheduling (PromptHashing), if any plugin wants it.
     hash_spec: tuple[int, int] | None = field(init=False, default=None)
+    reporting: tuple[Reporting, ...] = field(init=False, default=())
     _labels: tuple[tuple[str, ...], tuple[str, ...], str] = field(init=False, default=((), (), ""))
 
     def __post_init__(self) -> None:
         plugins = [*self.filters, *(s for s, _ in self.scorers), self.picker]
+        self.reporting = tuple(p for p in plugins if isinstance(p, Reporting))
         self.pick_hooks = tuple(p for p in plugins if isinstance(p, PickHook))
         self.finish_hooks = tuple(p for p in plugins if isinstance(p, FinishHook))
         self.shared = tuple(
@@ -325,6 +338,7 @@ class Profile:
             explain.scored_ids = tuple(u.id for u in candidates)
             explain.totals = totals
             explain.picked = chosen
+            explain.reporting = self.reporting
         self._picked(request, chosen, state)
         return chosen
 

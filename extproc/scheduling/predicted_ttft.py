@@ -27,10 +27,14 @@ engines, and a new prefix is placed as sglang-router's smallest-tree rule places
   drains in real time at `rate(u)`. Snapshots correct it: an engine that reports no waiting request
   cannot have more queued than what was sent after the snapshot; one reporting W waiting has at least
   W average prefills queued.
-- `rate(u)` is `prefill_tokens_per_s` x the upstream's capacity weight x how much faster than the
-  slowest candidate its engine's measured prefill throughput is (snapshots' `prefill_tokens_per_s`,
-  from the engines' counters: publishers/prefill_rate.py), so GPUs of different speeds get their
-  share without hand-set weights (see `_rates`).
+- `rate(u)` is the engine's measured prefill throughput (scheduling/capacity.py: alike GPUs share one
+  figure, so a busy engine's low readings are not taken for a slower GPU; the configured
+  `prefill_tokens_per_s` until measured), so GPUs of different speeds get their share without
+  hand-set weights.
+- Tokens are this service's count (token ids with a tokenizer, bytes/4 without), converted into the
+  engine's wherever they meet an engine figure (KV capacity, prefill rate) by the ratio learnt from the
+  engine's own prompt-token counter (scheduling/calibration.py). The same calibration compares each
+  request's predicted TTFT with what the engine then reports (metrics, explain header, doctor).
 
 Scores are `(best + eps) / (ttft(u) + eps)`: 1 for the best candidate, falling with predicted delay.
 """
@@ -40,18 +44,21 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.fleet import Load, Upstream
 from extproc.openai import InferenceRequest
 from extproc.scheduling.cache_model import CacheModel, Placement
+from extproc.scheduling.calibration import Calibration
+from extproc.scheduling.capacity import prefill_rates
 from extproc.scheduling.framework import SCORERS, FleetState
 from extproc.scheduling.prefix import prefix_hashes
 from extproc.scheduling.sharing import RESET, Outbox, pack_hashes, unpack_hashes
 from extproc.tokenization import block_hashes, estimate_tokens
 
+DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0  # an A10G-class GPU on an 8B model, erring low
 BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
 SENT_WINDOW_S = 60.0  # recent sends kept per upstream
@@ -77,19 +84,20 @@ class _Prediction:
 
     request: InferenceRequest | None = None
     hashes: list[bytes] = field(default_factory=list)
-    tokens: int = 0
+    tokens: int = 0  # in this service's count (token ids, or the bytes/4 estimate)
     uncached: dict[str, int] = field(default_factory=dict)
-    rates: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per candidate
+    rates: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per candidate, engine tokens
+    own: dict[str, float] = field(default_factory=dict)  # this request's own predicted TTFT there
     best_matched: int = 0  # leading blocks held by the candidate holding the most of the prompt
 
 
 @SCORERS.register("predicted-ttft")
 @dataclass(slots=True)
 class PredictedTtftScorer:
-    # Prefill throughput of one unit of capacity weight, tokens/s, until engines publish a measured one.
-    # 8B-class model: ~34k on an H100, ~2.4k on an A10G (docs/simulator.md). Err low: the virtual queue
-    # drains at this rate, and too fast a drain piles requests onto prefix holders (docs/tuning.md).
-    prefill_tokens_per_s: float = 2_000.0
+    # Prefill throughput of one unit of capacity weight, the engine's tokens/s: the guess used until
+    # the engines' counters measure it (scheduling/capacity.py). 8B-class model: ~34k on an H100,
+    # ~2.4k on an A10G (docs/simulator.md).
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
     block_tokens: int = 64  # tokens per index block (a multiple of the engine's block size)
     max_blocks: int = 2048  # prompts are matched on their first 128k tokens
     # Used before a snapshot says how much KV an upstream has: ~ an 8B model on an 80 GB GPU.
@@ -97,7 +105,6 @@ class PredictedTtftScorer:
     expected_output_tokens: int = 200  # KV room held for the output (capped by max_tokens)
     evict_weight: float = 0.5  # x the prefill seconds of the cached blocks a placement evicts
     duplicate_weight: float = 1.0  # x the prefill seconds of blocks another candidate has cached
-    duplicate_pressure: bool = False  # scale that by the share of the copy that has no room (evicts)
     # A copy of a prefix another candidate holds, made where it evicts nothing and onto an engine far
     # less busy than the holder, is an investment: later requests of that prefix can go there too.
     # Charge only (1 - this x (1 - its load / the holder's)) of its prefill, so a hot prefix spreads
@@ -119,10 +126,6 @@ class PredictedTtftScorer:
     # Until an engine's prefill rate is measured, its GPU's nominal speed (snapshots' gpu_model,
     # fleet/gpus.py) orders it against the others; off: an unmeasured engine counts as the fastest.
     gpu_prior: bool = True
-    # On: engines whose snapshots name the same GPU share the median of their measured rates (a
-    # busy engine's prefills are slowed by its decodes, so its samples read low). Off by default:
-    # that low reading works as load feedback, and the grids were a wash (docs/tuning.md).
-    same_gpu_same_rate: bool = False
     room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
     # Pools larger than this are pre-selected (`_preselect`): the candidates holding the longest
     # prefix of the prompt plus a random sample of the others, up to this many, are predicted in
@@ -149,6 +152,8 @@ class PredictedTtftScorer:
     _index_held: Sequence[Upstream] = field(init=False, default=())
     _index: dict[str, int] = field(init=False, default_factory=dict)
     _demand: OrderedDict[bytes, tuple[float, float]] = field(init=False, default_factory=OrderedDict)
+    # The engines' counters against this scorer's sends: tokens per token of ours, TTFT error.
+    calibration: Calibration = field(init=False, default_factory=Calibration)
 
     def __post_init__(self) -> None:
         for name in ("prefill_tokens_per_s", "block_tokens", "max_blocks", "default_kv_tokens"):
@@ -209,8 +214,15 @@ class PredictedTtftScorer:
                 model.cache.reset()
                 model.epoch = load.epoch
                 model.busy_until = 0.0
+            if load.counters is not None:
+                self.calibration.observe(
+                    upstream_id, load.counters, load.published_at, load.instances, load.epoch
+                )
             if load.kv_blocks_total and load.block_size:
-                model.cache.resize(max(1, load.kv_blocks_total * load.block_size // self.block_tokens))
+                # The engine's KV in tokens of this service's count: its blocks x its block size, over
+                # its tokens per token of ours (calibration).
+                kv_tokens = load.kv_blocks_total * load.block_size / self.calibration.ratio(upstream_id)
+                model.cache.resize(max(1, int(kv_tokens) // self.block_tokens))
         return model
 
     def backlog(self, upstream: Upstream, state: FleetState) -> tuple[float, float]:
@@ -267,6 +279,7 @@ class PredictedTtftScorer:
         # Rates over the whole pool (cached while the view stands): a sample's slowest is not the pool's.
         pred.rates = self._rates(candidates, all_loads)
         pred.uncached = {}
+        pred.own = {}
         n = len(candidates)
         if self.max_evaluated and n > self.max_evaluated:
             chosen = self._preselect(request, pred.hashes, candidates, state)
@@ -395,16 +408,19 @@ class PredictedTtftScorer:
         running_all = [self._running(u, load, state) for u, load in zip(candidates, loads, strict=True)]
         # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
         holder_running = min(r for r, m in zip(running_all, matched, strict=True) if m == best_matched)
+        ratio = self.calibration.ratio
         for u, model, load, m, running in zip(candidates, models, loads, matched, running_all, strict=True):
-            rate = rates[u.id]
+            engine_rate = rates[u.id]  # the engine's tokens per second
+            rate = engine_rate / ratio(u.id)  # tokens of this service's count per second
             uncached = pred.tokens - min(m * bt, pred.tokens - 1)
             pred.uncached[u.id] = uncached
             ttft = self._wait(model, load, now) + uncached / rate
-            ttft += self.decode_tokens_per_running * running / rate
+            ttft += self.decode_tokens_per_running * running / engine_rate
             cache = model.cache
             new_blocks = len(pred.hashes) - m + new_output
             if new_blocks > cache.capacity_blocks - cache.pinned_blocks:
                 ttft += self.room_penalty_s
+            pred.own[u.id] = ttft
             own.append(ttft)
             over = max(0, cache.used_blocks + new_blocks - cache.capacity_blocks)
             evicted = min(over, cache.used_blocks - cache.pinned_blocks)
@@ -412,13 +428,12 @@ class PredictedTtftScorer:
             if best_matched > m:
                 # A copy of a prefix another candidate holds costs only where the cache has no room
                 # for it (it evicts others, or waits for running requests to free blocks).
-                pressure = min(1.0, over / new_blocks) if self.duplicate_pressure else 1.0
                 copy_s = (best_matched - m) * bt / rate
                 relief = 0.0
                 if not over and holder_running > running:
                     relief = 1.0 - (running + 1) / (holder_running + 1)
                 # A copy is penalised unless it relieves a much busier holder; then it is discounted.
-                ttft += copy_s * (self.duplicate_weight * pressure * (1.0 - relief))
+                ttft += copy_s * (self.duplicate_weight * (1.0 - relief))
                 ttft -= copy_s * discount * relief
             elif best_matched == 0 and self.footprint_weight:
                 ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
@@ -426,18 +441,8 @@ class PredictedTtftScorer:
         return own, predicted
 
     def _rates(self, candidates: Sequence[Upstream], loads: Sequence[Load | None]) -> dict[str, float]:
-        """Prefill tokens/s per candidate: `prefill_tokens_per_s` x capacity weight, times how much
-        faster than the slowest candidate the engines' measured rates say it is.
-
-        Measured rates within `rate_tolerance` of each other are taken for one GPU type measured
-        with noise (busy intervals read low) and share their group's median, so identical engines
-        are never told apart by noise (they keep the configured rate, as without measurements)
-        while an H100 next to an A10G (~14x) gets its share. The absolute figure stays the
-        configured one, which errs low on purpose (docs/tuning.md). An upstream not measured yet
-        counts as the fastest group: optimistic, because one taken for slow would get too little
-        traffic ever to be measured (a slow one is measured soonest); unless its snapshots name a
-        GPU in fleet/gpus.py's table (`gpu_prior`): then its GPU's nominal speed stands in, scaled
-        to the measured ones (`_with_prior`), so a mixed fleet starts out balanced."""
+        """Prefill tokens/s per candidate, in the engines' tokens (scheduling/capacity.py), over the
+        whole pool: a sample's slowest is not the pool's."""
         # Upstreams and loads are immutable and replaced when the view is rebuilt: the same objects
         # give the same rates. The cache holds them, so their ids cannot be reused meanwhile. The
         # same two tuples (the view's candidates, loads_of()'s answer) are the common case: no
@@ -448,29 +453,14 @@ class PredictedTtftScorer:
         key = (tuple(map(id, candidates)), tuple(map(id, loads)))
         if key == self._rates_key:
             return self._rates_cache
-        speed: dict[str, float] = {}
-        nominal: dict[str, float] = {}
-        if self.measured_rate:
-            for u, load in zip(candidates, loads, strict=True):
-                if load is None:
-                    continue
-                if load.prefill_tokens_per_s:
-                    speed[u.id] = load.prefill_tokens_per_s / u.weight
-                if self.gpu_prior and load.gpu_speed:
-                    nominal[u.id] = load.gpu_speed / u.weight
-        fastest = 1.0
-        if speed:
-            if self.same_gpu_same_rate and nominal:
-                speed = _same_gpu(speed, nominal)
-            speed = _grouped(speed, self.rate_tolerance)
-            slowest = min(speed.values())
-            speed = {uid: r / slowest for uid, r in speed.items()}
-        if len(speed) < len(candidates) and nominal:
-            speed = _with_prior(speed, nominal)
-        if speed:
-            fastest = max(speed.values())
-        base = self.prefill_tokens_per_s
-        rates = {u.id: base * u.weight * speed.get(u.id, fastest) for u in candidates}
+        rates = prefill_rates(
+            candidates,
+            loads,
+            configured=self.prefill_tokens_per_s,
+            tolerance=self.rate_tolerance,
+            measured=self.measured_rate,
+            gpu_prior=self.gpu_prior,
+        )
         self._rates_key, self._rates_cache = key, rates
         self._rates_held = (tuple(candidates), tuple(loads))
         return rates
@@ -486,7 +476,11 @@ class PredictedTtftScorer:
             cached = self._matched(request, pred.hashes, model, upstream.id, state) * self.block_tokens
             uncached = pred.tokens - min(cached, pred.tokens - 1)
             rate = self._rates((upstream,), (load,))[upstream.id]
-        prefill_s = uncached / rate
+        prefill_s = uncached * self.calibration.ratio(upstream.id) / rate
+        own = pred.own.get(upstream.id)
+        if own is None:  # not scored: its queue and its prefill
+            own = self._wait(model, load, now) + prefill_s
+        self.calibration.sent(upstream.id, now, pred.tokens, own)
         model.busy_until = max(now, model.busy_until) + prefill_s
         model.sent.append((now, prefill_s))
         model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1
@@ -639,28 +633,17 @@ class PredictedTtftScorer:
                 continue
             cache.release(cache.place(hashes[-cache.capacity_blocks :], 0))
 
+    def report(self) -> Iterator[tuple[str, str, float]]:
+        """The calibration per upstream (framework.Reporting): the engine's tokens per token of this
+        service's count, and how much later (seconds, and relative) than predicted first tokens came."""
+        for uid, f in list(self.calibration.figures()):
+            yield "token_ratio", uid, f.token_ratio
+            if f.samples >= 1.0:
+                yield "ttft_error_s", uid, f.ttft_error_s
+                yield "ttft_relative_error", uid, f.relative_error
+
     def index_sizes(self) -> dict[str, int]:
         return {uid: m.cache.used_blocks for uid, m in self._models.items()}
-
-
-def _with_prior(measured: dict[str, float], nominal: dict[str, float]) -> dict[str, float]:
-    """Relative speeds with unmeasured upstreams filled in from their GPUs' nominal speeds.
-
-    With measurements, a nominal figure is scaled by the median ratio of measured to nominal speed
-    over the upstreams that have both (how this model runs on these GPUs); with none to compare,
-    nominal speeds alone order the upstreams whenever nothing is measured yet."""
-    out = dict(measured)
-    if measured:
-        ratios = sorted(measured[uid] / nominal[uid] for uid in measured if uid in nominal)
-        if not ratios:
-            return out
-        scale = ratios[len(ratios) // 2]
-    else:
-        scale = 1.0 / min(nominal.values())
-    for uid, n in nominal.items():
-        if uid not in out:
-            out[uid] = n * scale
-    return out
 
 
 def _leading(hashes: Sequence[bytes], held: Callable[[bytes], bool]) -> int:
@@ -688,33 +671,3 @@ def _leading(hashes: Sequence[bytes], held: Callable[[bytes], bool]) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _same_gpu(measured: dict[str, float], nominal: dict[str, float]) -> dict[str, float]:
-    """Measured speeds with the upstreams of one nominal speed (the same GPU per unit of weight)
-    given their median; upstreams without a known GPU keep their own."""
-    by_gpu: dict[float, list[str]] = {}
-    for uid in measured:
-        if uid in nominal:
-            by_gpu.setdefault(round(nominal[uid], 6), []).append(uid)
-    out = dict(measured)
-    for members in by_gpu.values():
-        if len(members) > 1:
-            ordered = sorted(measured[uid] for uid in members)
-            out.update(dict.fromkeys(members, ordered[len(ordered) // 2]))
-    return out
-
-
-def _grouped(rates: dict[str, float], tolerance: float) -> dict[str, float]:
-    """Rates sorted and split where one is more than `tolerance` x the previous; each group's
-    members get the group's median."""
-    ordered = sorted(rates.items(), key=lambda kv: kv[1])
-    out: dict[str, float] = {}
-    group: list[tuple[str, float]] = [ordered[0]]
-    for item in ordered[1:]:
-        if item[1] > group[-1][1] * tolerance:
-            out.update(dict.fromkeys((k for k, _ in group), group[len(group) // 2][1]))
-            group = []
-        group.append(item)
-    out.update(dict.fromkeys((k for k, _ in group), group[len(group) // 2][1]))
-    return out

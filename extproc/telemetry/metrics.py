@@ -9,6 +9,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # A probe answers (ok, reason): /healthz and /readyz reply 200 or 503 with the reason as text.
 Probe = Callable[[], tuple[bool, str]]
@@ -16,6 +17,62 @@ Probe = Callable[[], tuple[bool, str]]
 Page = Callable[[], tuple[int, str, bytes]]
 
 UNKNOWN_MODEL = "unknown"
+
+# Scheduling plugins' own figures (scheduling.framework.Reporting), read at scrape time: figure name ->
+# (metric name, kind, help). Labels: the profile and the upstream.
+PLUGIN_FIGURES: dict[str, tuple[str, str, str]] = {
+    "token_ratio": (
+        "llm_extproc_calibration_token_ratio",
+        "gauge",
+        "The engine's prompt tokens per token of the service's own count, learnt from the engine's "
+        "prompt-token counter (1 until learnt). ~1 with the engines' tokenizer configured; far from 1 "
+        "without one, or with a tokenizer that is not the engine's.",
+    ),
+    "ttft_error_s": (
+        "llm_extproc_calibration_ttft_error_seconds",
+        "gauge",
+        "The engine's observed mean TTFT minus the service's prediction for the same requests, decayed "
+        "over ~15 s (positive: later than predicted).",
+    ),
+    "ttft_relative_error": (
+        "llm_extproc_calibration_ttft_relative_error",
+        "gauge",
+        "That error over the predicted mean TTFT (1: first tokens came twice as late as predicted).",
+    ),
+    "bounded_load_dropped": (
+        "llm_extproc_bounded_load_dropped",
+        "counter",
+        "Decisions in which the bounded-load guard took this upstream out of the choice (over its "
+        "share of the requests in flight).",
+    ),
+}
+# (profile, figure name, upstream id, value) rows: the service's profiles' reporting plugins.
+PluginRows = Callable[[], Iterable[tuple[str, str, str, float]]]
+
+
+class _PluginFigures:
+    """A custom collector: the reporting plugins' figures as metric families, built per scrape."""
+
+    def __init__(self, rows: PluginRows) -> None:
+        self.rows = rows
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for profile, figure, upstream, value in self.rows():
+            spec = PLUGIN_FIGURES.get(figure)
+            if spec is None:
+                continue
+            name, kind, doc = spec
+            family = families.get(figure)
+            if family is None:
+                cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                family = families[figure] = cls(name, doc, labels=["profile", "upstream"])
+            family.add_metric([profile, upstream], value)
+        yield from families.values()
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
 
 # Decision latency is tens of microseconds to a few milliseconds; buckets cover both ends.
 _PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
@@ -305,6 +362,10 @@ class Metrics:
 
     def on_inflight_change(self, cluster: str, delta: int) -> None:
         self.inflight_by(cluster).inc(delta)
+
+    def watch_plugins(self, rows: PluginRows) -> None:
+        """Expose the scheduling plugins' own figures (PLUGIN_FIGURES), read from `rows` per scrape."""
+        self.registry.register(_PluginFigures(rows))
 
 
 def _build() -> tuple[str, str, str]:

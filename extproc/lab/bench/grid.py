@@ -61,7 +61,15 @@ REFERENCES = ("round-robin", "least-request", "sglang-cache-aware", "vllm-router
 EXACT = "exact-ttft"
 OURS = "llm-extproc"
 RR = "round-robin"
+LR = "least-request"
 MAX_MODEL_LEN = 32_768  # context of the KV variants when their cache is larger (a deployment choice)
+
+# Targets (issue 30), for the `pressure` grid: never behind the balancers, not far behind the best peer.
+STABLE_P90_VS_LR = 1.0
+STABLE_TOKS_VS_RR = 0.99  # at or above round robin's output tokens/s, within 1 % of drain-time noise
+STABLE_GEOMEAN = 0.85  # off the floor
+STABLE_WORST = 1.2  # every cell
+STABILITY_GRIDS = frozenset({"pressure"})
 
 # Targets (issue 8).
 P90_VS_RR = 0.3
@@ -80,7 +88,7 @@ class Cell:
     workload: Literal["tenants", "chat"] = "tenants"
     engines: int = 8
     fleet: Literal["a10g", "mixed"] = "a10g"
-    kv_prefixes: int = 15
+    kv_prefixes: float = 15
     tenants: int = 48
     zipf: float = 1.0
     prompt_tokens: int = 2000
@@ -88,6 +96,14 @@ class Cell:
     turns: int = 10
     load: float = 0.8
     count: int | None = None  # requests per policy; None: `default_count`
+    # What the service does not control and cannot see directly (the `pressure` grid):
+    # the service's token estimate over the engines' own count, per engine (cycled); 1: they agree
+    token_ratio: tuple[float, ...] = (1.0,)
+    output_tokens: tuple[int, int] | None = None  # None: the workload's default
+    prefill_counters: bool = True  # engines publish prompt-token and prefill-time counters
+    prefill_rate_error: float = 1.0  # the service's configured prefill_tokens_per_s, x this
+    gpu_names: Literal["right", "missing", "wrong"] = "right"  # wrong: odd engines name the other GPU
+    step_cost: float = 1.0  # the engines' decode step costs x this (the service's constants assume 1)
 
     def default_count(self) -> int:
         """Enough requests for ~100 per engine and, for chats, every conversation's last turn."""
@@ -105,7 +121,21 @@ class Cell:
             wl = f"{self.tenants} tenants zipf {self.zipf:g}, {self.prompt_tokens}-tok prompts"
         else:
             wl = f"{self.conversations} chats x {self.turns} turns"
-        return f"{fleet}, KV {self.kv_prefixes} prefixes, {wl}, load {self.load:.0%}"
+        out = f"{fleet}, KV {self.kv_prefixes} prefixes, {wl}, load {self.load:.0%}"
+        extra = []
+        if self.token_ratio != (1.0,):
+            extra.append("service/engine tokens " + "/".join(f"{r:g}" for r in self.token_ratio))
+        if self.output_tokens is not None:
+            extra.append(f"outputs {self.output_tokens[0]}-{self.output_tokens[1]}")
+        if not self.prefill_counters:
+            extra.append("no prefill counters")
+        if self.prefill_rate_error != 1.0:
+            extra.append(f"prefill_tokens_per_s x{self.prefill_rate_error:g}")
+        if self.gpu_names != "right":
+            extra.append(f"GPU names {self.gpu_names}")
+        if self.step_cost != 1.0:
+            extra.append(f"decode steps x{self.step_cost:g}")
+        return out + "".join(f", {e}" for e in extra)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -205,6 +235,74 @@ def _report_grid() -> list[Cell]:
     ]
 
 
+PRESSURE_OUTPUT = (20, 100)  # short replies: prefill-bound engines, as in issue 30's report
+# service-estimate / engine token ratios: agree, words of 3-9 letters, pairs of characters, 3x fewer
+# tokens than bytes/4, and half the pool counting one way, half the other.
+PRESSURE_RATIOS: dict[str, tuple[float, ...]] = {
+    "r1": (1.0,),
+    "r1.75": (1.75,),
+    "r0.5": (0.5,),
+    "r3": (3.0,),
+    "rmix": (1.0, 1.75),
+}
+
+
+def _pressure_grid() -> list[Cell]:
+    """Issue 30: KV pressure and what the service does not control. Shapes of issue 30's report (6
+    engines holding ~5 of 48 tenants' prompts, 8 holding ~3, 200 tenants, 16 that all fit, chats that
+    barely fit), loaded past round robin's capacity where cache-aware routing is what keeps up, each
+    with engines that count tokens differently from the service's bytes/4 estimate (`token_ratio`);
+    then one factor at a time on two of them: no prefill counters, a configured prefill rate 0.3x and
+    3x wrong, GPU names wrong or missing on a mixed fleet, engine steps 2x slower or faster than the
+    service's constants assume. `llm-extproc-token-ids` (the engines' tokenizer configured) runs beside
+    the default in every cell (`simulate --grid pressure`)."""
+    out = PRESSURE_OUTPUT
+    shapes = {
+        "t6-kv5": Cell("", engines=6, tenants=48, kv_prefixes=5, output_tokens=out, load=1.6),
+        "t8-kv3": Cell("", engines=8, tenants=48, kv_prefixes=3, output_tokens=out, load=1.3),
+        "c6-kv3": Cell("", "chat", engines=6, conversations=40, kv_prefixes=3, output_tokens=out, load=1.2),
+    }
+    more = {
+        "t8-kv3-overload": Cell("", engines=8, tenants=48, kv_prefixes=3, output_tokens=out, load=2.0),
+        "t8-200t-kv4": Cell("", engines=8, tenants=200, kv_prefixes=4, output_tokens=out, load=1.2),
+        "t6-16t-fit": Cell(
+            "", engines=6, tenants=16, prompt_tokens=1200, kv_prefixes=20, output_tokens=out, load=2.0
+        ),
+        "t6-16t-fit-light": Cell(
+            "", engines=6, tenants=16, prompt_tokens=1200, kv_prefixes=20, output_tokens=out, load=1.0
+        ),
+        "c6-kv1.6": Cell(
+            "", "chat", engines=6, conversations=40, kv_prefixes=1.6, output_tokens=out, load=1.1
+        ),
+    }
+    cells = [
+        _vary(base, f"p-{shape}-{r}", token_ratio=ratio)
+        for shape, base in shapes.items()
+        for r, ratio in PRESSURE_RATIOS.items()
+    ]
+    cells += [
+        _vary(base, f"p-{shape}-{r}", token_ratio=PRESSURE_RATIOS[r])
+        for shape, base in more.items()
+        for r in ("r1", "r1.75")
+    ]
+    t6, t8 = shapes["t6-kv5"], shapes["t8-kv3"]
+    r175 = PRESSURE_RATIOS["r1.75"]
+    cells += [
+        _vary(t6, "p-t6-kv5-r1.75-no-counters", token_ratio=r175, prefill_counters=False),
+        _vary(t8, "p-t8-kv3-r1.75-no-counters", token_ratio=r175, prefill_counters=False),
+        _vary(t6, "p-t6-kv5-r1.75-rate-x0.3", token_ratio=r175, prefill_rate_error=0.3),
+        _vary(t6, "p-t6-kv5-r1.75-rate-x3", token_ratio=r175, prefill_rate_error=3.0),
+        _vary(t8, "p-t8-kv3-rate-x0.3", prefill_rate_error=0.3),
+        _vary(t8, "p-t8-kv3-rate-x3", prefill_rate_error=3.0),
+        _vary(t6, "p-t6-kv5-mixed", fleet="mixed"),
+        _vary(t6, "p-t6-kv5-mixed-gpu-wrong", fleet="mixed", gpu_names="wrong"),
+        _vary(t6, "p-t6-kv5-mixed-gpu-missing", fleet="mixed", gpu_names="missing"),
+        _vary(t8, "p-t8-kv3-steps-x2", step_cost=2.0),
+        _vary(t8, "p-t8-kv3-steps-x0.5", step_cost=0.5),
+    ]
+    return cells
+
+
 LIVE_CELLS: dict[str, tuple[str, ...]] = {
     "smoke": ("t-base", "c-base"),
     "default": ("t-base", "t-kv-4", "t-tenants-200", "t-load-95", "t-mixed", "c-base", "c-load-95"),
@@ -220,6 +318,7 @@ GRIDS: dict[str, list[Cell]] = {
     "default": _default_grid(),
     "full": _full_grid(),
     "report": _report_grid(),
+    "pressure": _pressure_grid(),
 }
 
 DIMENSIONS: dict[str, tuple[Any, ...]] = {
@@ -270,6 +369,7 @@ def make_cell_workload(cell: Cell, *, rate: float, count: int, seed: int, model:
             tenants=cell.tenants,
             system_tokens=cell.prompt_tokens,
             zipf_s=cell.zipf,
+            **({"output_tokens": cell.output_tokens} if cell.output_tokens else {}),
         )
     return multi_turn(
         rate=rate,
@@ -279,7 +379,7 @@ def make_cell_workload(cell: Cell, *, rate: float, count: int, seed: int, model:
         conversations=cell.conversations,
         turns=cell.turns,
         user_tokens=CHAT_USER_TOKENS,
-        output_tokens=CHAT_OUTPUT_TOKENS,
+        output_tokens=cell.output_tokens or CHAT_OUTPUT_TOKENS,
     )
 
 
@@ -316,16 +416,40 @@ def kv_variant(profile: GpuProfile, blocks: int) -> GpuProfile:
     )
 
 
-def cell_profiles(cell: Cell, prefix: int, longest_request: int) -> list[GpuProfile]:
+def cell_profiles(
+    cell: Cell, prefix: int, longest_request: int, scales: Sequence[float] = (1.0,)
+) -> list[GpuProfile]:
     """One profile per engine: the cell's GPUs, each with KV for `kv_prefixes` prefixes of `prefix`
-    tokens (and at least room for the longest request, prompt plus output, so every request can run)."""
+    tokens (and at least room for the longest request, prompt plus output, so every request can run).
+    `scales` (cycled over the engines): engine tokens per workload token, when the engines' tokenizer
+    counts differently (`Cell.token_ratio`); an engine's KV is sized in its own tokens."""
     base = [A10G_LLAMA3_8B] * cell.engines
     if cell.fleet == "mixed":
         base = [H100_LLAMA3_8B if i % 2 == 0 else A10G_LLAMA3_8B for i in range(cell.engines)]
+    if cell.step_cost != 1.0:
+        f = cell.step_cost
+        slow = {
+            p.name: dataclasses.replace(
+                p,
+                name=f"{p.name}-steps{f:g}",
+                decode_base_s=p.decode_base_s * f,
+                decode_s_per_seq=p.decode_s_per_seq * f,
+                decode_s_per_kv_token=p.decode_s_per_kv_token * f,
+            )
+            for p in base
+        }
+        base = [slow[p.name] for p in base]
     bs = base[0].block_size
-    blocks = max(math.ceil(cell.kv_prefixes * prefix / bs), math.ceil(longest_request / bs) + 1)
-    variants = {p.name: kv_variant(p, blocks) for p in base}
-    return [variants[p.name] for p in base]
+    variants: dict[tuple[str, int], GpuProfile] = {}
+    out = []
+    for i, p in enumerate(base):
+        s = scales[i % len(scales)]
+        blocks = max(math.ceil(cell.kv_prefixes * prefix * s / bs), math.ceil(longest_request * s / bs) + 1)
+        key = (p.name, blocks)
+        if key not in variants:
+            variants[key] = kv_variant(p, blocks)
+        out.append(variants[key])
+    return out
 
 
 @dataclass(slots=True)
@@ -343,6 +467,7 @@ class Calibration:
     rr_unloaded_p90_ms: float | None
     cold_prefill_ms: float
     slo: Slo
+    recount: Any = None  # per engine, its tokenizer where it differs from the service's estimate
 
     @property
     def kv_blocks(self) -> int:
@@ -380,8 +505,15 @@ def policy_row(report: Report) -> dict[str, Any]:
         "errors": report.errors,
         "errors_by_kind": report.errors_by_kind,
         "imbalance": report.imbalance,
+        "busiest_share": _busiest(report.split),
         "duration_s": report.duration_s,
     }
+
+
+def _busiest(split: Mapping[str, int]) -> float | None:
+    """The busiest engine's requests over the mean per engine (1: an even split)."""
+    counts = list(split.values())
+    return max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -393,9 +525,11 @@ def evaluate(
     *,
     rr_unloaded_p90_ms: float | None,
     cold_prefill_ms: float,
+    stability: bool = False,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The cell's ratios and its targets' PASS / MISS / n/a (module docstring). Policies missing from
-    the run (a peer that is not installed) are left out of the references."""
+    the run (a peer that is not installed) are left out of the references. `stability`: the
+    `pressure` grid's targets (`stability_targets`) instead of issue 8's."""
     ours, rr, exact = policies.get(OURS), policies.get(RR), policies.get(EXACT)
     refs = {n: p for n, p in policies.items() if n in REFERENCES and p.get("ttft_geomean_ms") is not None}
     best_ref = min(refs, key=lambda n: refs[n]["ttft_geomean_ms"]) if refs else None
@@ -428,6 +562,10 @@ def evaluate(
             return "n/a"
         return "MISS" if value is None or not ok else "PASS"
 
+    lr = policies.get(LR)
+    ratios["p90_vs_lr"] = _ratio(ours["ttft_p90_ms"], lr["ttft_p90_ms"] if lr else None)
+    if stability:
+        return ratios, stability_targets(ratios, ours["errors"])
     p90, gm, toks = ratios["p90_vs_rr"], ratios["geomean_vs_best_ref"], ratios["tok_s_vs_rr"]
     targets = {
         "p90": check(p90, p90 is not None and p90 <= P90_VS_RR),
@@ -479,8 +617,44 @@ def _triple(p: Mapping[str, Any] | None) -> str:
     return " / ".join(_f(p.get(k)) for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms"))
 
 
+def stability_table(results: Sequence[CellResult]) -> str:
+    """The `pressure` grid's rows, worst cell first: llm-extproc (and its variants) against least
+    request, round robin and the best reference, with the busiest engine's share of the requests."""
+    variants = sorted({n for r in results for n in r.policies if n.startswith(OURS + "-")})
+    head = (
+        "| cell | rate (req/s) | llm-extproc TTFT p50/p90/p99 ms | best reference | geomean / best "
+        + "".join(f"| {v.removeprefix(OURS + '-')} / best " for v in variants)
+        + "| p90 / LR | tok/s / RR | busiest / fair | hit % (best ref) | p90/LR | tok/s/RR | geomean "
+        "| worst | errors |"
+    )
+    lines = [head, "|" + "---|" * (14 + len(variants))]
+    ordered = sorted(results, key=lambda r: -(r.ratios.get("geomean_vs_best_ref") or 0.0))
+    for r in ordered:
+        ra, t = r.ratios, r.targets
+        best = ra.get("best_reference")
+        ours = r.policies.get(OURS) or {}
+        ref = r.policies.get(best) if best else None
+        cells = ""
+        for v in variants:
+            row, ref_gm = r.policies.get(v), ref.get("ttft_geomean_ms") if ref else None
+            cells += f"| {_f(_ratio(row.get('ttft_geomean_ms') if row else None, ref_gm), '.2f')} "
+        hit, ref_hit = ours.get("prefix_cache_hit_rate"), (ref or {}).get("prefix_cache_hit_rate")
+        lines.append(
+            f"| {r.cell.name} | {r.rate:.2f} | {_triple(ours)} | {best or '-'}: {_triple(ref)} "
+            f"| {_f(ra.get('geomean_vs_best_ref'), '.2f')} {cells}"
+            f"| {_f(ra.get('p90_vs_lr'), '.2f')} | {_f(ra.get('tok_s_vs_rr'), '.2f')} "
+            f"| {_f(ours.get('busiest_share'), '.2f')} "
+            f"| {_f(None if hit is None else hit * 100)} ({_f(None if ref_hit is None else ref_hit * 100)}) "
+            + " ".join(f"| {t.get(k, '-')}" for k in ("p90/LR", "tok/s/RR", "geomean", "worst", "errors"))
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def summary_table(results: Sequence[CellResult]) -> str:
     """One markdown row per cell: llm-extproc against round robin and the best reference."""
+    if results and "worst" in results[0].targets:
+        return stability_table(results)
     head = (
         "| cell | rate (req/s) | llm-extproc TTFT p50/p90/p99 ms | round robin | best reference "
         "| p90 / RR | geomean / best ref | geomean / exact | tok/s / RR | RR p90 / unloaded | floor "
@@ -579,18 +753,46 @@ def misses(results: Sequence[CellResult]) -> list[str]:
                     f"{r.cell.name}: TTFT p90 {ra['p90_vs_rr']:.2f}x round robin (target <= {P90_VS_RR})"
                 )
             elif target == "geomean":
+                bound = STABLE_GEOMEAN if "worst" in r.targets else ra["geomean_bound"]
                 out.append(
                     f"{r.cell.name}: TTFT geomean {ra['geomean_vs_best_ref']:.2f}x {ra['best_reference']} "
-                    f"(target <= {ra['geomean_bound']})"
+                    f"(target <= {bound})"
                 )
             elif target == "tok/s":
                 out.append(
                     f"{r.cell.name}: output tok/s {ra['tok_s_vs_rr']:.3f}x round robin "
                     f"(target >= {TOKS_VS_RR})"
                 )
+            elif target == "p90/LR":
+                out.append(f"{r.cell.name}: TTFT p90 {ra['p90_vs_lr']:.2f}x least request's")
+            elif target == "tok/s/RR":
+                out.append(f"{r.cell.name}: output tok/s {ra['tok_s_vs_rr']:.3f}x round robin's")
+            elif target == "worst":
+                out.append(
+                    f"{r.cell.name}: TTFT geomean {ra['geomean_vs_best_ref']:.2f}x {ra['best_reference']} "
+                    f"(every cell <= {STABLE_WORST})"
+                )
             else:
                 out.append(f"{r.cell.name}: {r.policies[OURS]['errors']} errors")
     return out
+
+
+def stability_targets(ratios: Mapping[str, Any], errors: int) -> dict[str, str]:
+    """Issue 30's targets for one cell: TTFT p90 at or below least request's, output tokens/s at or
+    above round robin's, TTFT geomean <= 0.85x the best reference off the floor, and <= 1.2x it in
+    every cell; no errors."""
+
+    def check(value: float | None, ok: Callable[[float], bool]) -> str:
+        return "MISS" if value is None or not ok(value) else "PASS"
+
+    gm = ratios.get("geomean_vs_best_ref")
+    return {
+        "p90/LR": check(ratios.get("p90_vs_lr"), lambda v: v <= STABLE_P90_VS_LR),
+        "tok/s/RR": check(ratios.get("tok_s_vs_rr"), lambda v: v >= STABLE_TOKS_VS_RR),
+        "geomean": "n/a" if ratios.get("refs_on_floor") else check(gm, lambda v: v <= STABLE_GEOMEAN),
+        "worst": check(gm, lambda v: v <= STABLE_WORST),
+        "errors": "PASS" if errors == 0 else "MISS",
+    }
 
 
 def cell_result(
@@ -599,11 +801,15 @@ def cell_result(
     *,
     started: float,
     skipped: dict[str, str] | None = None,
+    stability: bool = False,
 ) -> CellResult:
     """A calibrated cell's result from its policies' rows (`policy_row`): ratios and targets
     (`evaluate`), wall time since `started` (`time.perf_counter()`)."""
     ratios, targets = evaluate(
-        policies, rr_unloaded_p90_ms=cal.rr_unloaded_p90_ms, cold_prefill_ms=cal.cold_prefill_ms
+        policies,
+        rr_unloaded_p90_ms=cal.rr_unloaded_p90_ms,
+        cold_prefill_ms=cal.cold_prefill_ms,
+        stability=stability,
     )
     return CellResult(
         cell=cal.cell,

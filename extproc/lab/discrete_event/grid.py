@@ -20,6 +20,7 @@ Per cell, before the policies run:
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -27,7 +28,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from extproc.lab.bench.grid import (
+    STABILITY_GRIDS,
     Calibration,
     Cell,
     CellResult,
@@ -43,11 +47,24 @@ from extproc.lab.bench.grid import (
 )
 from extproc.lab.bench.report import RequestRecord, summarize
 from extproc.lab.bench.workloads import Workload
-from extproc.lab.discrete_event.simulation import POLICIES, VARIANTS, Request, simulate, tokenize_requests
+from extproc.lab.discrete_event.simulation import (
+    POLICIES,
+    SEEDED_PICKER,
+    VARIANTS,
+    Request,
+    simulate,
+    tokenize_requests,
+)
 from extproc.lab.engines.model import EngineModel
 from extproc.lab.engines.profiles import GpuProfile
+from extproc.lab.engines.tokens import Recount
+from extproc.openai.parse import parse_head, parse_request
+from extproc.scheduling.predicted_ttft import DEFAULT_PREFILL_TOKENS_PER_S
+from extproc.settings import DEFAULT_PROFILE
+from extproc.tokenization import estimate_tokens
 
 MODEL = "sim-llama"
+_HEAD = {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"}
 SATURATION_RATE = 1e4  # requests/s: every request is queued at once
 UNLOADED_SHARE = 0.02
 UNLOADED_REQUESTS = 200
@@ -88,20 +105,49 @@ def cold_prefill_s(profile: GpuProfile, prompt: Sequence[int]) -> float:
 
 
 def cell_fleet(
-    cell: Cell, probe: Workload, tokens: Sequence[list[int]]
+    cell: Cell, probe: Workload, tokens: Sequence[list[int]], recount: Sequence[Recount] | None = None
 ) -> tuple[int, list[GpuProfile], float]:
     """(prefix tokens, one profile per engine, cold prefill seconds) of a cell, from its requests
     (`probe`, at any rate: content does not depend on it) and their tokens: KV sized for the cell's
     prefixes and at least the longest request, and the cold prefill of the median prompt on an idle
-    engine, mean over the fleet."""
+    engine, mean over the fleet. `recount`: per engine, its own tokenizer (`engine_recount`)."""
     prefix = prefix_tokens(cell, probe)
     longest = max(
         len(t) + int(r.body.get("max_tokens") or 0) for t, r in zip(tokens, probe.requests, strict=True)
     )
-    profiles = cell_profiles(cell, prefix, longest)
+    scales = [r.scale for r in recount] if recount else [1.0]
+    profiles = cell_profiles(cell, prefix, longest, scales)
     median_prompt = sorted(tokens, key=len)[len(tokens) // 2]
-    cold = statistics.mean(cold_prefill_s(p, median_prompt) for p in profiles)
+    cold = statistics.mean(
+        cold_prefill_s(p, recount[i](median_prompt) if recount else median_prompt)
+        for i, p in enumerate(profiles)
+    )
     return prefix, profiles, cold
+
+
+def service_estimate_ratio(requests: Sequence[Request], tokens: Sequence[Sequence[int]]) -> float:
+    """The service's token estimate without a tokenizer (UTF-8 bytes / 4 of the prompt text, as
+    parse_request joins it) over the simulated engines' own count, summed over the requests."""
+    head = parse_head(
+        _HEAD, session_header="x-session-id", user_header="x-user-id", priority_header="x-llm-priority"
+    )
+    est = sum(estimate_tokens(parse_request(head, orjson.dumps(body)).prompt_text) for _, body, _ in requests)
+    return est / max(1, sum(len(t) for t in tokens))
+
+
+def engine_recount(cell: Cell, estimate_ratio: float) -> list[Recount] | None:
+    """Per engine, its tokenizer when the cell says engines count differently from the service's
+    estimate (`Cell.token_ratio`: estimate / engine tokens): None when they agree."""
+    if cell.token_ratio == (1.0,):
+        return None
+    by_ratio: dict[float, Recount] = {}
+    out = []
+    for i in range(cell.engines):
+        r = cell.token_ratio[i % len(cell.token_ratio)]
+        if r not in by_ratio:
+            by_ratio[r] = Recount(estimate_ratio / r, salt=len(by_ratio))
+        out.append(by_ratio[r])
+    return out
 
 
 def calibrate(cell: Cell, *, seed: int = 0, count_scale: float = 1.0) -> Calibration:
@@ -112,16 +158,19 @@ def calibrate(cell: Cell, *, seed: int = 0, count_scale: float = 1.0) -> Calibra
     count = min(full, cell.requests(count_scale))
     saturated = _requests(cell, SATURATION_RATE, full, seed)
     all_tokens = tokenize_requests(saturated)
+    recount = None
+    if cell.token_ratio != (1.0,):
+        recount = engine_recount(cell, service_estimate_ratio(saturated, all_tokens))
     probe = make_cell_workload(cell, rate=1.0, count=full, seed=seed, model=MODEL)
-    prefix, profiles, cold = cell_fleet(cell, probe, all_tokens)
-    run = simulate(saturated, profiles, "round-robin", tokens=all_tokens)
+    prefix, profiles, cold = cell_fleet(cell, probe, all_tokens, recount)
+    run = simulate(saturated, profiles, "round-robin", tokens=all_tokens, recount=recount)
     capacity = saturated_capacity(run.records, len(profiles))
     rate = cell.load * capacity
     tokens = all_tokens[:count]
 
     unloaded_n = min(full, UNLOADED_REQUESTS)
     unloaded = _requests(cell, UNLOADED_SHARE * capacity, unloaded_n, seed)
-    idle = simulate(unloaded, profiles, "round-robin", tokens=all_tokens[:unloaded_n])
+    idle = simulate(unloaded, profiles, "round-robin", tokens=all_tokens[:unloaded_n], recount=recount)
     idle_p90 = summarize("unloaded", idle.records, idle.virtual_s).ttft_p90_ms
 
     requests = _requests(cell, rate, count, seed)
@@ -136,6 +185,7 @@ def calibrate(cell: Cell, *, seed: int = 0, count_scale: float = 1.0) -> Calibra
         rr_unloaded_p90_ms=idle_p90,
         cold_prefill_ms=cold * 1000,
         slo=cell_slo(cold),
+        recount=recount,
     )
 
 
@@ -147,8 +197,10 @@ def run_cell(
     count_scale: float = 1.0,
     publish_interval_s: float = 1.0,
     service: dict[str, Any] | None = None,
+    stability: bool = False,
 ) -> CellResult:
-    """Every policy on the cell's requests, each on a fresh fleet."""
+    """Every policy on the cell's requests, each on a fresh fleet (`stability`: judged by the
+    `pressure` grid's targets)."""
     started = time.perf_counter()
     cal = calibrate(cell, seed=seed, count_scale=count_scale)
     names = [f"engine-{i}" for i in range(len(cal.profiles))]
@@ -160,11 +212,29 @@ def run_cell(
             policy,
             model=MODEL,
             publish_interval_s=publish_interval_s,
-            service=service,
+            service=cell_service(cell, service),
             tokens=cal.tokens,
+            recount=cal.recount,
+            prefill_counters=cell.prefill_counters,
+            gpu_names=cell.gpu_names,
         )
         rows[policy] = policy_row(summarize(policy, run.records, run.virtual_s, cal.slo, instances=names))
-    return cell_result(cal, rows, started=started)
+    return cell_result(cal, rows, started=started, stability=stability)
+
+
+def cell_service(cell: Cell, service: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The service's configuration for a cell: `service`, with the predicted-ttft scorer's
+    `prefill_tokens_per_s` set wrong by `Cell.prefill_rate_error` (a user's guess at their GPUs)."""
+    if cell.prefill_rate_error == 1.0:
+        return service
+    profile = {**copy.deepcopy(DEFAULT_PROFILE), "picker": SEEDED_PICKER}
+    for scorer in profile["scorers"]:
+        if scorer["name"] == "predicted-ttft":
+            params = scorer.setdefault("params", {})
+            params["prefill_tokens_per_s"] = DEFAULT_PREFILL_TOKENS_PER_S * cell.prefill_rate_error
+    out = dict(service or {})
+    out.setdefault("scheduling", {"profiles": {"default": profile}})
+    return out
 
 
 def run_des_grid(
@@ -185,7 +255,12 @@ def run_des_grid(
     results: list[CellResult] = []
     for i, cell in enumerate(chosen, 1):
         result = run_cell(
-            cell, policies, seed=seed, count_scale=count_scale, publish_interval_s=publish_interval_s
+            cell,
+            policies,
+            seed=seed,
+            count_scale=count_scale,
+            publish_interval_s=publish_interval_s,
+            stability=name in STABILITY_GRIDS,
         )
         results.append(result)
         if progress:

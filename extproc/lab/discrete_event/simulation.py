@@ -89,9 +89,15 @@ class Policy(Protocol):
 class Fleet:
     engines: list[EngineModel]
     outstanding: list[int] = field(default_factory=list)
+    # Per engine, its tokenizer where it counts differently from the workload's (None: the same).
+    recount: Sequence[Callable[[list[int]], list[int]]] | None = None
 
     def __post_init__(self) -> None:
         self.outstanding = [0] * len(self.engines)
+
+    def prompt(self, req: Pending, engine: int) -> list[int]:
+        """`req`'s prompt in engine `engine`'s tokens."""
+        return req.tokens if self.recount is None else self.recount[engine](req.tokens)
 
 
 class RoundRobin:
@@ -129,7 +135,8 @@ class ExactTtft:
 
     def choose(self, req: Pending, body: dict[str, Any], now: float) -> int:
         engines = self.fleet.engines
-        return min(range(len(engines)), key=lambda i: (engines[i].predicted_ttft(req.tokens, now), i))
+        prompt = self.fleet.prompt
+        return min(range(len(engines)), key=lambda i: (engines[i].predicted_ttft(prompt(req, i), now), i))
 
     def finished(self, req: Pending) -> None:
         pass
@@ -216,9 +223,13 @@ class ExtprocPolicy:
         replicas: int = 1,
         share: bool = True,
         token_ids: bool = False,
+        prefill_counters: bool = True,
+        gpu_names: str = "right",
     ) -> None:
         self.fleet = fleet
         self.token_ids = token_ids
+        self.prefill_counters = prefill_counters
+        self.gpu_names = gpu_names
         n = len(fleet.engines)
         self.replicas: list[_Replica] = []
         for r in range(max(1, replicas)):
@@ -278,9 +289,11 @@ class ExtprocPolicy:
         for i, e in enumerate(self.fleet.engines):
             self.sequence += 1
             # The publisher's estimate from the counters a scrape would read (vLLM's names).
-            rate = self._prefill_rates[i].update(
-                e.prompt_tokens_total, e.prefix_cache_hits, e.prefill_time_sum
-            )
+            rate = None
+            if self.prefill_counters:
+                rate = self._prefill_rates[i].update(
+                    e.prompt_tokens_total, e.prefix_cache_hits, e.prefill_time_sum
+                )
             snap = spb.UpstreamSnapshot(
                 upstream_id=f"engine-{i}/{_address(i)}",
                 cluster=f"engine-{i}",
@@ -298,10 +311,16 @@ class ExtprocPolicy:
                 sequence=self.sequence,
                 published_at_ms=int(now * 1000) + 1,
                 ttl_ms=max(100, int(ttl_s * 1000)),
-                gpu_model=e.profile.gpu,
+                gpu_model=_gpu_name(e.profile.gpu, i, self.gpu_names),
             )
             if rate is not None:
                 snap.prefill_tokens_per_s = rate
+            # The engine's counters as the publisher copies them (vLLM's prompt_tokens_total and
+            # time_to_first_token_seconds histogram); the prompt counter goes with the prefill ones.
+            snap.first_tokens_total = e.ttft_count
+            snap.ttft_seconds_total = e.ttft_sum
+            if self.prefill_counters:
+                snap.prompt_tokens_total = e.prompt_tokens_total
             # The publisher's TPOT: the mean inter-token gap over the interval since the last scrape.
             itl_sum, itl_count = self._itl_seen[i]
             if e.itl_count > itl_count:
@@ -331,9 +350,11 @@ class ExtprocPolicy:
         request = lifecycle.prepare(self._head(lifecycle, req), orjson.dumps(body))
         if self.token_ids:
             # What the service has when `tokenizers:` holds the engines' own tokenizer: the ids the
-            # engine will see (needed to match the engines' KV events).
-            request.prompt_token_ids = array("I", req.tokens)
-            request.prompt_tokens = len(req.tokens)
+            # engine will see (needed to match the engines' KV events); the first engine's where
+            # engines count differently.
+            ids = self.fleet.prompt(req, 0)
+            request.prompt_token_ids = array("I", ids)
+            request.prompt_tokens = len(ids)
         return request
 
     def index_kv(self, clock: Callable[[], float]) -> None:
@@ -520,6 +541,9 @@ def simulate(
     kv_delay_s: float = 0.002,
     scheduling_policy: str = "fcfs",
     preemption_threshold: int | None = None,
+    recount: Sequence[Callable[[list[int]], list[int]]] | None = None,
+    prefill_counters: bool = True,
+    gpu_names: str = "right",
 ) -> DesRun:
     """Run one policy over the workload on fresh engines; every request gets a record.
 
@@ -545,7 +569,12 @@ def simulate(
     `service={"engine_priority": {...}}`, llm-extproc's requests reach the engines with their class's
     number; every other policy's requests carry none (0), as the peers send none.
     `preemption_threshold` (with "priority"): SGLang's rule, a waiting request preempts running ones
-    more than this much lower in priority (None: vLLM's, it never does)."""
+    more than this much lower in priority (None: vLLM's, it never does).
+
+    `recount` gives each engine its own tokenizer (engine tokens from `tokens`), for engines that
+    count differently from the service's estimate; `prefill_counters` False publishes no prefill
+    counters (no measured prefill rate); `gpu_names` "missing" or "wrong" changes what the
+    snapshots say the GPU is (`_gpu_name`)."""
     started = time.perf_counter()
     name, variant = policy, VARIANTS.get(policy)
     if variant is not None:  # llm-extproc with options, under its own name (a grid's extra row)
@@ -564,7 +593,8 @@ def simulate(
                 preemption_threshold=preemption_threshold,
             )
             for p in profiles
-        ]
+        ],
+        recount=recount,
     )
     now = 0.0
     chosen: Policy
@@ -578,6 +608,8 @@ def simulate(
             replicas=replicas,
             share=share,
             token_ids=with_events if token_ids is None else token_ids,
+            prefill_counters=prefill_counters,
+            gpu_names=gpu_names,
         )
         chosen = extproc
     elif policy == "round-robin":
@@ -702,7 +734,9 @@ def simulate(
                         continue
                 engine = chosen.choose(req, body, now)
                 priority = extproc.engine_priority(req) if extproc is not None else 0
-                fleet.engines[engine].submit(str(payload), prompt, req.max_tokens, now, priority)
+                fleet.engines[engine].submit(
+                    str(payload), fleet.prompt(req, engine), req.max_tokens, now, priority
+                )
             except (RequestError, ValueError) as exc:
                 status = exc.status if isinstance(exc, RequestError) else 400
                 records.append(_failed(req, status, str(exc)[:80]))
@@ -768,6 +802,19 @@ class _KvFeed:
             # The first message of the epoch is a full state (cleared, then what the engine holds).
             out.append(encode_delta(uid, 1, self.seq[i], added, removed, cleared or first, None))
         return out
+
+
+_OTHER_GPU = {"NVIDIA A10G": "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3": "NVIDIA A10G"}
+
+
+def _gpu_name(gpu: str, i: int, names: str) -> str:
+    """What engine `i`'s snapshot says its GPU is: its own name ("right"), none ("missing"), or for
+    odd engines the other GPU's ("wrong": half an A10G fleet claims H100s; a mixed one looks uniform)."""
+    if names == "missing":
+        return ""
+    if names == "wrong" and i % 2 == 1:
+        return _OTHER_GPU.get(gpu, gpu)
+    return gpu
 
 
 def _address(i: int) -> str:

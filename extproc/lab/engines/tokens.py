@@ -104,3 +104,42 @@ def token_text(token_id: int) -> str:
     v = _VOWELS[(n // 16) % 5]
     c2 = _CONSONANTS[(n // 80) % 16]
     return f"{c1}{v}{c2} "
+
+
+class Recount:
+    """An engine whose tokenizer counts differently from this module's: each text piece becomes
+    `scale` engine tokens on average (0 or 1 for a scale below 1, more for a larger one), chosen per
+    piece id so the same text always gives the same ids and a prompt's continuation keeps its
+    prefix (the engines' prefix caches and a router's prefix hashes still line up). Template ids
+    pass through. `scale` = engine tokens / this tokenizer's (~bytes/4): 1/1.75 for an engine whose
+    tokens are whole words of 3-9 letters, 2 for one that counts pairs of characters."""
+
+    def __init__(self, scale: float, salt: int = 0) -> None:
+        if not scale > 0:
+            raise ValueError("scale must be positive")
+        self.scale = scale
+        self.salt = salt
+        self._pieces: dict[int, tuple[int, ...]] = {}
+
+    def _piece(self, token: int) -> tuple[int, ...]:
+        digest = blake2b(f"{self.salt}:{token}".encode(), digest_size=16).digest()
+        whole = int(self.scale)
+        extra = int.from_bytes(digest[:8], "little") / 2**64 < self.scale - whole
+        n = whole + int(extra)
+        base = int.from_bytes(digest[8:], "little")
+        out = tuple((base + 7919 * j) % PIECE_VOCAB for j in range(n))
+        self._pieces[token] = out
+        return out
+
+    def __call__(self, ids: Iterable[int]) -> list[int]:
+        if self.scale == 1.0:
+            return list(ids)
+        pieces = self._pieces
+        out: list[int] = []
+        for t in ids:
+            if t >= PIECE_VOCAB:
+                out.append(t)
+                continue
+            p = pieces.get(t)
+            out.extend(self._piece(t) if p is None else p)
+        return out
