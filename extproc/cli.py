@@ -166,6 +166,10 @@ def _sim(args: argparse.Namespace) -> int:
         raise ValueError("--priority-preemption-threshold needs --profile (the engine model preempts)")
     if args.kv_events_port is not None and not profiles:
         raise ValueError("--kv-events-port needs --profile (only model-driven engines have a KV cache)")
+    if args.token_scale != 1.0 and not profiles:
+        raise ValueError("--token-scale needs --profile (only model-driven engines tokenize)")
+    if not args.token_scale > 0:
+        raise ValueError("--token-scale must be positive")
     _run(
         run_engines(
             args.host,
@@ -179,6 +183,7 @@ def _sim(args: argparse.Namespace) -> int:
             kv_events_topic=args.kv_events_topic,
             scheduling_policy=args.scheduling_policy,
             preemption_threshold=args.priority_preemption_threshold,
+            token_scale=args.token_scale,
         )
     )
     return 0
@@ -646,6 +651,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-events-topic", default="", help="ZMQ topic of the KV events (vLLM's default: '')")
     p.add_argument(
+        "--token-scale",
+        type=float,
+        default=1.0,
+        help="with --profile: the engines count this many tokens per token of the built-in tokenizer "
+        "(~4 bytes each): e.g. 0.57 for an engine whose tokens are whole words, 2 for one that counts "
+        "character pairs; a router's bytes/4 estimate then differs from the engines' count",
+    )
+    p.add_argument(
         "--scheduling-policy",
         choices=("fcfs", "priority"),
         default="fcfs",
@@ -691,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_grid_options(
         p,
-        "with --local: run the live cells of a robustness grid (smoke | default) instead of one "
+        "with --local: run the live cells of a robustness grid (smoke | default | pressure) instead of one "
         "workload; writes grid-live-NAME.json and .md under --out (default out/grid-live)",
         count_scale=0.25,
         count_scale_note="live runs cost real time",

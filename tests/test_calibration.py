@@ -316,6 +316,24 @@ def test_the_guard_takes_out_an_engine_past_twice_its_share() -> None:
     assert dict((uid, v) for name, uid, v in guard.report() if name == "bounded_load_dropped") == {"a": 1.0}
 
 
+def test_an_engine_over_its_share_with_no_queue_keeps_its_place() -> None:
+    """A prefix holder running many cheap cached requests, its engine taking new work at once (no
+    request waiting): over twice its share of what is in flight, but not queueing, so it stays a
+    candidate; the same load with requests waiting there is cut off."""
+    names = ["a", "b", "c", "d"]
+    lc, view = _lifecycle(names)
+    view.apply(instance_state("a/0", "a", None, num_running=30, num_waiting=0))
+    for n in names[1:]:
+        view.apply(instance_state(f"{n}/0", n, None, num_running=1, num_waiting=0))
+    view.rebuild()
+    ups = [Upstream(n, n, None, 1.0) for n in names]
+    req = lc.prepare(HEAD, _body("x", 0))
+    assert BoundedLoadFilter().filter(req, ups, lc.state) == ups
+    view.apply(instance_state("a/0", "a", None, num_running=25, num_waiting=5, sequence=2))
+    view.rebuild()
+    assert [u.id for u in BoundedLoadFilter().filter(req, ups, lc.state)] == ["b", "c", "d"]
+
+
 def test_the_guard_never_empties_the_choice_and_leaves_an_even_fleet_alone() -> None:
     lc, ups = _loaded({"a": 5, "b": 5, "c": 5})
     req = lc.prepare(HEAD, _body("x", 0))

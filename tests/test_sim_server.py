@@ -148,3 +148,29 @@ async def test_readiness_delay() -> None:
                 assert r.status == 200
     finally:
         await e.stop()
+
+
+async def test_an_engine_that_counts_differently_says_so_in_its_counters() -> None:
+    """`token_scale`: the engine's own tokenizer counts fewer tokens than the built-in one (words of
+    3-9 letters against ~4 bytes each); its render endpoint, its usage and its prompt-token counter
+    all say the engine's count, which is what a router's calibration reads."""
+    from extproc.lab.engines.tokens import Recount
+
+    text = " ".join(f"w{i}x{i * 7}" for i in range(400))
+    e = SimEngine("e0", "m", profile=PROFILES["h100-llama3-8b"], time_scale=20.0, token_scale=0.5)
+    url = f"http://127.0.0.1:{await e.start('127.0.0.1', 0)}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/chat/completions/render", json=chat(text)) as r:
+                rendered = await r.json()
+            own = chat_to_tokens(chat(text)["messages"])
+            assert rendered["prompt_token_ids"] == Recount(0.5)(own)
+            assert 0.35 * len(own) < rendered["count"] < 0.65 * len(own)
+            async with s.post(url + "/v1/chat/completions", json=chat(text, max_tokens=2)) as r:
+                usage = (await r.json())["usage"]
+            assert usage["prompt_tokens"] == rendered["count"]
+            async with s.get(url + "/metrics") as r:
+                load = normalize("vllm", await r.text())
+            assert load.prompt_tokens == rendered["count"]
+    finally:
+        await e.stop()

@@ -10,6 +10,11 @@ snapshot). Its share is its prefill capacity over the candidates' (scheduling/ca
 weight times measured speed, so an H100 next to A10Gs gets its own share), of all the requests in
 flight plus this one. `slack` requests on top keep a nearly idle pool from being forced round robin.
 
+The bound holds only where it hurts: a candidate over it whose engine last reported no waiting
+request keeps its place. Its batch still takes new work at once, and a prefix holder running many
+cheap, cached requests is where they belong (forcing cold copies of 4-8k-token prompts off such
+holders cost up to 1.5x the TTFT geomean in the routing grid's long-prompt and chat cells).
+
 The least loaded candidate (per unit of capacity) is always within the bound, so the filter never
 empties the list. Drops are counted per upstream (`llm_extproc_bounded_load_dropped`).
 """
@@ -57,7 +62,9 @@ class BoundedLoadFilter:
         total = sum(queued) + 1.0
         factor, slack = self.factor, self.slack
         kept = [
-            u for u, q, s in zip(candidates, queued, shares, strict=True) if q <= factor * total * s + slack
+            u
+            for u, q, s, load in zip(candidates, queued, shares, loads, strict=True)
+            if q <= factor * total * s + slack or (load is not None and load.num_waiting == 0)
         ]
         if len(kept) == n:
             return candidates

@@ -306,6 +306,7 @@ def _pressure_grid() -> list[Cell]:
 LIVE_CELLS: dict[str, tuple[str, ...]] = {
     "smoke": ("t-base", "c-base"),
     "default": ("t-base", "t-kv-4", "t-tenants-200", "t-load-95", "t-mixed", "c-base", "c-load-95"),
+    "pressure": ("p-t6-kv5-r1.75", "p-t8-kv3-r1.75", "p-c6-kv3-r1.75"),
 }
 """The cells of each grid that `llm-extproc bench --local --grid` runs live (each costs real seconds)."""
 

@@ -23,6 +23,7 @@ from typing import Any
 from extproc.lab.bench.grid import (
     LIVE_CELLS,
     OURS,
+    STABILITY_GRIDS,
     Calibration,
     Cell,
     CellResult,
@@ -96,7 +97,12 @@ async def run_live_grid(
             if why is None:
                 workdir = out_dir / "logs" / cell.name / policy
                 ran = await run_live_requests(
-                    policy, cal.requests, cal.profiles, time_scale=time_scale, workdir=workdir
+                    policy,
+                    cal.requests,
+                    cal.profiles,
+                    time_scale=time_scale,
+                    workdir=workdir,
+                    token_scales=[r.scale for r in cal.recount] if cal.recount else (1.0,),
                 )
             if ran is None:
                 skipped[LIVE_NAMES[policy]] = why or "could not start"
@@ -106,7 +112,7 @@ async def run_live_grid(
             records, duration = ran
             report = summarize(policy, records, duration, cal.slo, instances=names)
             rows[LIVE_NAMES[policy]] = policy_row(report)
-        result = cell_result(cal, rows, started=t0, skipped=skipped)
+        result = cell_result(cal, rows, started=t0, skipped=skipped, stability=name in STABILITY_GRIDS)
         results.append(result)
         if progress:
             progress(

@@ -552,6 +552,7 @@ async def run_live_requests(
     agreement: list[tuple[float, int, str, float]] | None = None,
     headers: Sequence[dict[str, str] | None] | None = None,
     scheduling_policy: str = "fcfs",
+    token_scales: Sequence[float] = (1.0,),
 ) -> tuple[list[RequestRecord], float] | None:
     """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
     time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
@@ -561,7 +562,8 @@ async def run_live_requests(
     replica's `llm_extproc_sync_agreement{plugin}` is read every `AGREEMENT_EVERY_S` while the
     requests run and appended as (seconds since the first request, replica, plugin, value).
     `headers`: per request, sent with it (a priority class, an objective); `scheduling_policy`: the
-    engines' (vLLM's `--scheduling-policy`)."""
+    engines' (vLLM's `--scheduling-policy`); `token_scales`: each engine's tokens per built-in token
+    (engines that count differently from a router's estimate; cycled)."""
     import subprocess
 
     from extproc.lab.stack import wait_port
@@ -572,7 +574,12 @@ async def run_live_requests(
         return None
     _quiet_http2_probes()
     group = EngineGroup(
-        [], MODEL, profiles=profiles, time_scale=time_scale, scheduling_policy=scheduling_policy
+        [],
+        MODEL,
+        profiles=profiles,
+        time_scale=time_scale,
+        scheduling_policy=scheduling_policy,
+        token_scales=token_scales,
     )
     stops: list[Any] = []
     gateways: list[LocalGateway] = []

@@ -27,10 +27,12 @@ class EngineGroup:
         lora_slots: int = 0,
         lora_load_s: float = 0.3,
         scheduling_policy: str = "fcfs",
+        token_scales: Sequence[float] = (1.0,),
     ) -> None:
         """One engine per entry of `delays_s` (fixed-cost engines), or, with `profiles`, one model-driven
         engine per profile (None entries stay fixed-cost). `lora_slots` > 0: the fixed-cost engines
-        serve LoRA adapters (server.LoraSlots). `scheduling_policy`: vLLM's (fcfs, priority)."""
+        serve LoRA adapters (server.LoraSlots). `scheduling_policy`: vLLM's (fcfs, priority).
+        `token_scales` (cycled): each model-driven engine's tokens per built-in token (tokens.Recount)."""
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sim-engines", daemon=True)
         self._thread.start()
@@ -47,6 +49,7 @@ class EngineGroup:
                 lora_slots=lora_slots,
                 lora_load_s=lora_load_s,
                 scheduling_policy=scheduling_policy,
+                token_scale=token_scales[i % len(token_scales)],
             )
             for i, p in enumerate(kinds)
         ]

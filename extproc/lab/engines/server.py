@@ -35,7 +35,7 @@ from extproc.lab.engines.model import (
     TokenEvent,
 )
 from extproc.lab.engines.profiles import GpuProfile
-from extproc.lab.engines.tokens import chat_to_tokens, token_text, tokenize
+from extproc.lab.engines.tokens import Recount, chat_to_tokens, token_text, tokenize
 
 SIM_GPU_BLOCKS = 4096
 ROUTING_HEADERS = ("x-llm-destination-cluster", "x-gateway-destination-endpoint")
@@ -158,8 +158,12 @@ class SimEngine:
         lora_load_s: float = 0.3,
         scheduling_policy: str = "fcfs",
         preemption_threshold: int | None = None,
+        token_scale: float = 1.0,
     ) -> None:
         self.name = name
+        # Model-driven engines only: a tokenizer that counts `token_scale` tokens per token of the
+        # built-in one (~bytes/4): an engine whose tokens differ from a router's estimate (tokens.Recount).
+        self.recount = Recount(token_scale)
         # vLLM's --scheduling-policy: "priority" orders the engine model's queue by the request
         # body's `priority` (lower first); under "fcfs" a non-zero priority is refused (400), as vLLM
         # does. The fixed-cost engine checks the field the same way but keeps its FIFO.
@@ -433,7 +437,7 @@ class SimEngine:
         self, request: web.Request, doc: dict[str, Any], chat: bool, n_tokens: int, priority: int = 0
     ) -> web.StreamResponse:
         assert self.driver is not None
-        tokens = _prompt_tokens(doc, chat)
+        tokens = self.recount(_prompt_tokens(doc, chat))
         if not tokens:
             return _error(400, "empty prompt")
         if len(tokens) >= self.driver.model.profile.max_model_len:
@@ -546,7 +550,7 @@ class SimEngine:
             return _error(400, "invalid JSON")
         if not isinstance(doc, dict):
             return _error(400, "body must be an object")
-        ids = _prompt_tokens(doc, chat)
+        ids = self.recount(_prompt_tokens(doc, chat))
         return web.json_response(
             {"prompt_token_ids": ids, "count": len(ids), "model": doc.get("model", self.model)}
         )
@@ -838,6 +842,7 @@ async def run_engines(
     kv_events_topic: str = "",
     scheduling_policy: str = "fcfs",
     preemption_threshold: int | None = None,
+    token_scale: float = 1.0,
 ) -> None:
     """`llm-extproc sim`: one engine per delay (or per profile), on consecutive ports, until interrupted.
     Like vLLM, these engines answer 404 for a model other than `model`. With `kv_events_port` (and
@@ -856,6 +861,7 @@ async def run_engines(
             kv_events_topic=kv_events_topic,
             scheduling_policy=scheduling_policy,
             preemption_threshold=preemption_threshold,
+            token_scale=token_scale,
         )
         for i, p in enumerate(kinds)
     ]
