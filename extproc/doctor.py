@@ -138,13 +138,15 @@ def _metrics_url(config: ServiceConfig, opts: DoctorOptions) -> str | None:
 
 def calibration_findings(text: str, config: ServiceConfig) -> tuple[list[str], list[str], dict[str, float]]:
     """(warnings, notes, ratio by upstream) from the service's /metrics text: a token ratio far from
-    1 (with a tokenizer: the wrong one; without: bytes/4 miscounts and a tokenizer would help), and
-    upstreams whose first tokens come much later than predicted."""
+    1 (with a tokenizer: the wrong one; without: bytes/4 miscounts and a tokenizer would help),
+    upstreams whose first tokens come much later than predicted, and those the bounded-load guard
+    keeps taking out of the choice (a note: the model prefers them past their share)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     ratios: dict[str, float] = {}
     relative: dict[str, float] = {}
     late: dict[str, float] = {}
+    dropped: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             upstream = sample.labels.get("upstream", "")
@@ -154,6 +156,8 @@ def calibration_findings(text: str, config: ServiceConfig) -> tuple[list[str], l
                 relative[upstream] = max(relative.get(upstream, 0.0), sample.value)
             elif sample.name == "llm_extproc_calibration_ttft_error_seconds":
                 late[upstream] = max(late.get(upstream, 0.0), sample.value)
+            elif sample.name == "llm_extproc_bounded_load_dropped_total":
+                dropped[upstream] = dropped.get(upstream, 0.0) + sample.value
     registry = config.tokenizers
     models = {c.name: c.models for c in config.pool.clusters}
     warnings, notes = [], []
@@ -180,6 +184,13 @@ def calibration_findings(text: str, config: ServiceConfig) -> tuple[list[str], l
                 f"{late[upstream]:.1f} s (something slows it that its metrics do not show; "
                 "docs/tuning.md, Calibration)"
             )
+    if dropped:
+        top = sorted(dropped.items(), key=lambda kv: -kv[1])[:3]
+        notes.append(
+            "bounded-load took "
+            + ", ".join(f"{u} out {n:.0f} times" for u, n in top)
+            + " since the service started (over twice its share with requests waiting there)"
+        )
     return warnings, notes, ratios
 
 

@@ -44,6 +44,7 @@ async def test_routed_request_carries_a_ticket_and_is_released_by_it() -> None:
     pending = PendingReleases(lc, 60.0, replica="r1")
     stream = await routed(lc, pending)
     assert stream.ticket is not None and stream.ticket.startswith("r1.")
+    assert len(stream.ticket.partition(".")[2]) == 32  # 128 random bits: not guessable from another
     stream.close()  # Envoy half-closes right after routing: the lease is kept
     assert lc.inflight.total() == 1 and len(pending) == 1
     assert pending.complete(stream.ticket, "access_log") == "released"

@@ -392,6 +392,15 @@ def test_calibration_findings_name_a_wrong_tokenizer_and_a_late_engine(tmp_path:
     assert "gpu-b's first tokens come 2.8x as late as predicted" in warnings[1]
     assert len(notes) == 1 and "gpu-b counts 0.57 tokens per 4 bytes" in notes[0]
     assert calibration_findings(_calibration_metrics({"gpu-a": 1.02, "gpu-b": 1.1}), cfg)[:2] == ([], [])
+    guard = (
+        _calibration_metrics({"gpu-a": 1.0})
+        + "# TYPE llm_extproc_bounded_load_dropped counter\n"
+        + 'llm_extproc_bounded_load_dropped_total{profile="default",upstream="gpu-a"} 17.0\n'
+    )
+    assert calibration_findings(guard, cfg)[1] == [
+        "bounded-load took gpu-a out 17 times since the service started (over twice its share with "
+        "requests waiting there)"
+    ]
 
 
 async def test_calibration_check_reads_the_services_metrics(tmp_path: Path) -> None:

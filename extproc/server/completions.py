@@ -11,9 +11,9 @@ comes (an access-log stream lost with its buffer) is released after `lease_timeo
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -44,13 +44,14 @@ class _Pending:
 class PendingReleases:
     """Routed requests waiting for the access log to say they ended, by ticket.
 
-    Tickets are `<replica>.<n>`: the replica part tells an entry routed by another replica (whose
-    access log happened to reach this one) from a lost or forged ticket. Event-loop use only.
+    Tickets are `<replica>.<128 random bits>`: the replica part tells an entry routed by another
+    replica (whose access log happened to reach this one) from a lost or forged ticket; the random
+    part cannot be guessed, so a forged access-log entry cannot release another request's lease
+    (sequential numbers could be). Event-loop use only.
     """
 
     __slots__ = (
         "_clock",
-        "_counter",
         "_pending",
         "_warned",
         "access_log_seen",
@@ -71,7 +72,6 @@ class PendingReleases:
         self.timeout_s = timeout_s
         self.replica = replica or os.urandom(4).hex()
         self._clock = clock
-        self._counter = itertools.count(1)
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self.access_log_seen = False
         self._warned = False
@@ -80,7 +80,7 @@ class PendingReleases:
         return len(self._pending)
 
     def register(self, decision: Decision) -> str:
-        ticket = f"{self.replica}.{next(self._counter):x}"
+        ticket = f"{self.replica}.{secrets.token_hex(16)}"
         self._pending[ticket] = _Pending(decision, self._clock())
         return ticket
 
