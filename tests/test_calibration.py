@@ -395,3 +395,25 @@ def test_whatever_the_scorers_believe_no_engine_gets_past_its_bound(guarded: boo
 def test_bad_guard_parameters_are_config_errors(params: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         _lifecycle(["a"], filters=[{"name": "bounded-load", "params": params}])
+
+
+def test_sends_are_matched_by_window_without_a_scan() -> None:
+    """The window sums (bisection over running sums) agree with a plain scan, across the dropping of
+    old sends and the compaction of the lists."""
+    from extproc.scheduling.calibration import MAX_SENT, _Sent
+
+    sent = _Sent()
+    kept: list[tuple[float, float, float]] = []
+    for i in range(3 * MAX_SENT):
+        when, tokens, predicted = i * 0.01, float(100 + i % 37), 0.1 + (i % 11) / 100
+        sent.add(when, tokens, predicted)
+        kept.append((when, tokens, predicted))
+        kept = kept[-MAX_SENT:]
+        if i % 997 == 0 or i == 3 * MAX_SENT - 1:
+            for lo, hi in ((when - 5.0, when - 1.0), (when - 200.0, when), (when + 1, when + 2)):
+                inside = [(t, p) for w, t, p in kept if lo < w <= hi]
+                n, tok, pred = sent.window(lo, hi)
+                assert n == len(inside)
+                assert tok == pytest.approx(sum(t for t, _ in inside))
+                assert pred == pytest.approx(sum(p for _, p in inside))
+    assert len(sent.times) <= 2 * MAX_SENT + 1  # compacted, not grown without bound

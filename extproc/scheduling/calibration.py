@@ -23,7 +23,7 @@ takes the ratio of its pool (every upstream this scorer has seen), so a new engi
 from __future__ import annotations
 
 import math
-from collections import deque
+from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -36,8 +36,45 @@ MAX_SENT = 10_000  # per upstream
 
 
 @dataclass(slots=True)
+class _Sent:
+    """This service's sends to one upstream, oldest first: when, and running sums of its token
+    counts and predicted TTFTs, so any window's sums are two bisections and two subtractions (a
+    snapshot is matched on the request path: no scan of thousands of sends)."""
+
+    times: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)  # running sums, through each send
+    predicted: list[float] = field(default_factory=list)
+    start: int = 0  # sends before this are dropped (kept in the lists until compacted)
+
+    def add(self, when: float, tokens: float, predicted: float) -> None:
+        self.times.append(when)
+        self.tokens.append((self.tokens[-1] if self.tokens else 0.0) + tokens)
+        self.predicted.append((self.predicted[-1] if self.predicted else 0.0) + predicted)
+        times = self.times
+        while self.start < len(times) and (
+            times[self.start] < when - SENT_KEEP_S or len(times) - self.start > MAX_SENT
+        ):
+            self.start += 1
+        if self.start > 1024 and self.start * 2 > len(times):
+            keep = self.start - 1  # one before the first kept: its running sums are the base
+            del times[:keep], self.tokens[:keep], self.predicted[:keep]
+            self.start = 1
+
+    def window(self, lo: float, hi: float) -> tuple[int, float, float]:
+        """(sends, summed tokens, summed predicted seconds) sent in (lo, hi]."""
+        times = self.times
+        i0 = bisect_right(times, lo, self.start)
+        i1 = bisect_right(times, hi, i0)
+        if i1 <= i0:
+            return 0, 0.0, 0.0
+        before_t = self.tokens[i0 - 1] if i0 > 0 else 0.0
+        before_p = self.predicted[i0 - 1] if i0 > 0 else 0.0
+        return i1 - i0, self.tokens[i1 - 1] - before_t, self.predicted[i1 - 1] - before_p
+
+
+@dataclass(slots=True)
 class _Upstream:
-    sent: deque[tuple[float, float, float]] = field(default_factory=deque)  # (when, tokens, predicted s)
+    sent: _Sent = field(default_factory=_Sent)
     mark: tuple[float, float, float, float, int, int] | None = None  # at, prompt, first, ttft, insts, epoch
     engine_tokens: float = 0.0  # decayed sums of the matched intervals
     service_tokens: float = 0.0
@@ -63,6 +100,9 @@ class Calibration:
     error_window_s: float = 15.0  # the TTFT error's: short, it has to follow a queue building up
     _ups: dict[str, _Upstream] = field(default_factory=dict)
     _pool_ratio: float = 1.0
+    _pool_engine: float = 0.0  # decayed sums over every upstream, as each upstream's
+    _pool_service: float = 0.0
+    _pool_at: float = 0.0
     _ratios: dict[str, float] = field(default_factory=dict)  # per upstream, kept until new data
 
     def sent(self, uid: str, now: float, tokens: float, predicted_s: float) -> None:
@@ -70,10 +110,7 @@ class Calibration:
         up = self._ups.get(uid)
         if up is None:
             up = self._ups[uid] = _Upstream(at=now)
-        sent = up.sent
-        sent.append((now, tokens, predicted_s))
-        while sent and (sent[0][0] < now - SENT_KEEP_S or len(sent) > MAX_SENT):
-            sent.popleft()
+        up.sent.add(now, tokens, predicted_s)
 
     def observe(
         self,
@@ -107,19 +144,15 @@ class Calibration:
         observed = d_ttft / d_first
         # The requests that reached their first token in (mark, now] were sent ~one TTFT earlier.
         lo, hi = mark[0] - observed, published_at - observed
-        n = tokens = predicted = 0.0
-        for when, tok, pred in up.sent:
-            if lo < when <= hi:
-                n += 1.0
-                tokens += tok
-                predicted += pred
+        n, tokens, predicted = up.sent.window(lo, hi)
         if not n:
             return
         self._decay(up, published_at)
         if tokens > 0 and d_prompt >= 0:
+            service = d_first * tokens / n
             up.engine_tokens += d_prompt
-            up.service_tokens += d_first * tokens / n
-            self._update_ratios(uid, up)
+            up.service_tokens += service
+            self._update_ratios(uid, up, d_prompt, service, published_at)
         up.error_s += d_first * (observed - predicted / n)
         up.predicted_s += d_first * predicted / n
         up.error_weight += d_first
@@ -137,13 +170,17 @@ class Calibration:
         up.error_weight *= keep
         up.predicted_s *= keep
 
-    def _update_ratios(self, uid: str, up: _Upstream) -> None:
-        engine = service = 0.0
-        for u in self._ups.values():
-            engine += u.engine_tokens
-            service += u.service_tokens
-        if service >= MIN_POOL_TOKENS:
-            self._pool_ratio = _clamp(engine / service)
+    def _update_ratios(self, uid: str, up: _Upstream, engine: float, service: float, now: float) -> None:
+        dt = now - self._pool_at
+        if dt > 0:
+            keep = math.exp(-dt / self.window_s)
+            self._pool_engine *= keep
+            self._pool_service *= keep
+            self._pool_at = now
+        self._pool_engine += engine
+        self._pool_service += service
+        if self._pool_service >= MIN_POOL_TOKENS:
+            self._pool_ratio = _clamp(self._pool_engine / self._pool_service)
         pool = self._pool_ratio
         own = (up.engine_tokens + PRIOR_TOKENS * pool) / (up.service_tokens + PRIOR_TOKENS)
         self._ratios[uid] = _clamp(own)
