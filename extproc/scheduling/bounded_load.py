@@ -32,13 +32,26 @@ from extproc.scheduling.framework import FILTERS, FleetState
 RATE_TOLERANCE = 1.5  # as predicted-ttft's default: measured rates this close are one GPU type
 
 
+@dataclass(slots=True)
+class _PoolView:
+    """Per candidate, in order: id, the engine's running + waiting (-1: no snapshot), this
+    process's in-flight count when that snapshot arrived, factor x its capacity share, and whether
+    its engine reports requests waiting."""
+
+    ids: list[str]
+    base: list[int]
+    own_at: list[int]
+    bound_shares: list[float]
+    queueing: list[bool]
+
+
 @FILTERS.register("bounded-load")
 @dataclass(slots=True)
 class BoundedLoadFilter:
     factor: float = 2.0  # x a candidate's share of the requests in flight
     slack: float = 1.0  # requests allowed above that
     _held: tuple[Sequence[Upstream], Sequence[Load | None]] = field(init=False, default=((), ()))
-    _shares: list[float] = field(init=False, default_factory=list)
+    _view: _PoolView | None = field(init=False, default=None)
     _dropped: dict[str, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -50,43 +63,50 @@ class BoundedLoadFilter:
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[Upstream]:
-        n = len(candidates)
-        if n < 2:
+        if len(candidates) < 2:
             return candidates
-        loads = state.loads_of(candidates)
-        shares = self._capacity_shares(candidates, loads)
+        pool = self._pool_view(candidates, state.loads_of(candidates))
+        # Per decision only the in-flight counts are read: the engines' figures are the view's.
+        count = state.count
         queued = [
-            state.count(u.id) if load is None else load.num_running + load.num_waiting + state.pending(u.id)
-            for u, load in zip(candidates, loads, strict=True)
+            count(uid) if base < 0 else base + max(0, count(uid) - own)
+            for uid, base, own in zip(pool.ids, pool.base, pool.own_at, strict=True)
         ]
         total = sum(queued) + 1.0
-        factor, slack = self.factor, self.slack
-        kept = [
-            u
-            for u, q, s, load in zip(candidates, queued, shares, loads, strict=True)
-            if q <= factor * total * s + slack or (load is not None and load.num_waiting == 0)
+        slack = self.slack
+        over = [
+            i
+            for i, (q, share) in enumerate(zip(queued, pool.bound_shares, strict=True))
+            if q > total * share + slack and pool.queueing[i]
         ]
-        if len(kept) == n:
+        if not over:
             return candidates
         dropped = self._dropped
-        through = {u.id for u in kept}
-        for u in candidates:
-            if u.id not in through:
-                dropped[u.id] = dropped.get(u.id, 0) + 1
-        return kept
+        for i in over:
+            uid = pool.ids[i]
+            dropped[uid] = dropped.get(uid, 0) + 1
+        out = set(over)
+        return [u for i, u in enumerate(candidates) if i not in out]
 
-    def _capacity_shares(self, candidates: Sequence[Upstream], loads: Sequence[Load | None]) -> list[float]:
-        """Each candidate's prefill capacity over the candidates' total; kept while the view's
+    def _pool_view(self, candidates: Sequence[Upstream], loads: Sequence[Load | None]) -> _PoolView:
+        """What the engines said about the candidates, and their shares; kept while the view's
         candidates and loads are the same objects (replaced, not changed, when it is rebuilt)."""
         held_candidates, held_loads = self._held
-        if candidates is held_candidates and loads is held_loads:
-            return self._shares
+        if self._view is not None and candidates is held_candidates and loads is held_loads:
+            return self._view
         rates = prefill_rates(candidates, loads, configured=1.0, tolerance=RATE_TOLERANCE)
-        total = sum(rates.values())
-        shares = [rates[u.id] / total for u in candidates]
+        capacity = sum(rates.values())
+        view = _PoolView(
+            ids=[u.id for u in candidates],
+            base=[-1 if load is None else load.num_running + load.num_waiting for load in loads],
+            own_at=[0 if load is None else load.own_at_snapshot for load in loads],
+            bound_shares=[self.factor * rates[u.id] / capacity for u in candidates],
+            # Without a snapshot nothing says it is not queueing: the bound holds.
+            queueing=[load is None or load.num_waiting > 0 for load in loads],
+        )
         if isinstance(candidates, tuple) and isinstance(loads, tuple):
-            self._held, self._shares = (candidates, loads), shares
-        return shares
+            self._held, self._view = (candidates, loads), view
+        return view
 
     def report(self) -> Iterator[tuple[str, str, float]]:
         """(figure, upstream id, value) for /metrics: how often each upstream was over its bound."""
