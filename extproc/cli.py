@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import logging
 import os
 import socket
 import sys
@@ -13,7 +14,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from extproc import __version__
+from extproc.settings import ENV_REDIS_PASSWORD
 from extproc.telemetry.logs import LOG_FORMATS, LOG_LEVELS, setup_logging
+
+log = logging.getLogger("extproc.cli")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -67,9 +71,21 @@ def _check(args: argparse.Namespace) -> int:
     from extproc.config import load_config
 
     config = load_config(args.config)
+    if args.envoy_config:
+        import yaml
+
+        from extproc.doctor import route_metadata_problems
+
+        envoy_cfg = yaml.safe_load(Path(args.envoy_config).read_text())
+        if not isinstance(envoy_cfg, dict):
+            raise ValueError(f"{args.envoy_config}: not a YAML mapping")
+        problems = route_metadata_problems(config, envoy_cfg)
+        if problems:
+            raise ValueError(f"{args.envoy_config}: route metadata: " + "; ".join(problems))
     print(
         f"ok: {len(config.pool.clusters)} clusters, models {config.pool.models()}, "
         f"profile '{config.profile.name}'"
+        + (f", route metadata in {args.envoy_config} valid" if args.envoy_config else "")
     )
     return 0
 
@@ -96,9 +112,28 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+def warn_credentials_in_argv(flag: str, url: str | None) -> bool:
+    """Log a warning when a Redis URL given on the command line carries credentials (`user:pw@`):
+    every user of the host reads a process's arguments (`ps`, /proc/<pid>/cmdline). True if it did.
+    The password belongs in $LLM_EXTPROC_REDIS_PASSWORD, which is used in place of the URL's."""
+    if not url:
+        return False
+    rest = url.partition("://")[2] or url
+    if "@" not in rest:
+        return False
+    log.warning(
+        "%s carries credentials: every user of this host can read them in the process list "
+        "(/proc/<pid>/cmdline); pass the URL without them and the password in $%s",
+        flag,
+        ENV_REDIS_PASSWORD,
+    )
+    return True
+
+
 def _publish(args: argparse.Namespace) -> int:
     from extproc.publishers.publisher import Publisher, load_publisher_config
 
+    warn_credentials_in_argv("--redis-url", args.redis_url)
     config = load_publisher_config(
         args.config,
         envoy_admin=args.envoy_admin,
@@ -128,6 +163,7 @@ def _publish(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from extproc.doctor import DoctorOptions, report, run_doctor_until
 
+    warn_credentials_in_argv("--redis", args.redis)
     opts = DoctorOptions(
         config=args.config,
         envoy_admin=args.envoy_admin,
@@ -562,6 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check-config", help="load and validate a config file, then exit")
     p.add_argument("--config", help="YAML config (default: $LLM_EXTPROC_CONFIG)")
+    p.add_argument(
+        "--envoy-config",
+        help="also check the ext_proc metadata (profiles, priority caps, objectives) of an envoy.yaml",
+    )
     p.set_defaults(func=_check)
 
     p = sub.add_parser(
@@ -576,7 +616,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--envoy-admin", help="discover instances from Envoy's admin API, e.g. http://127.0.0.1:9901"
     )
-    p.add_argument("--redis-url", help="e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS)")
+    p.add_argument(
+        "--redis-url",
+        help="e.g. redis://127.0.0.1:6379/0 (rediss:// for TLS); without a password: the command "
+        f"line is visible to every user of the host, set ${ENV_REDIS_PASSWORD} instead",
+    )
     p.add_argument("--pool", help="pool name (Redis key prefix llm-extproc:<pool>)")
     p.add_argument("--interval", type=float, help="seconds between scrapes (default 1)")
     p.add_argument(
@@ -600,7 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--envoy-config", help="an envoy.yaml to compare clusters with (default: Envoy's live config_dump)"
     )
-    p.add_argument("--redis", help="Redis URL holding the snapshots (default: the YAML's fleet.url)")
+    p.add_argument(
+        "--redis",
+        help="Redis URL holding the snapshots (default: the YAML's fleet.url); without a password: "
+        f"the command line is visible to every user of the host, set ${ENV_REDIS_PASSWORD} instead",
+    )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds allowed for each part's answers")
     p.add_argument(
         "--service-metrics",
@@ -800,7 +848,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bench-big-bodies",
         help="small requests' latency while clients send 15 MB bodies (Envoy + service + engines)",
     )
-    p.add_argument("--kinds", default="text,image", help="big bodies: text (a long prompt), image (base64)")
+    p.add_argument(
+        "--kinds",
+        default="text,image",
+        help="big bodies: text (a long prompt), image (base64), messages (hostile: tiny messages, chunked)",
+    )
     p.add_argument(
         "--layouts",
         default="single,bulk",

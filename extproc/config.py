@@ -41,6 +41,7 @@ from extproc.settings import (
     EnginePriority,
     HeaderNames,
     RedisSettings,
+    TlsSettings,
     admission_settings,
     boolean,
     check_keys,
@@ -51,6 +52,7 @@ from extproc.settings import (
     number,
     redis_settings,
     string,
+    tls_settings,
 )
 from extproc.tokenization import TokenizerRegistry
 from extproc.tokenization import from_config as tokenizers_from_config
@@ -107,9 +109,12 @@ class SyncSettings:
     """Beyond these, updates are dropped (counted) and peers release what this replica pinned."""
     state_interval_s: float = 5.0
     """How often the learnt state is written to Redis for a replica that starts late."""
+    key_file: str | None = None
+    """A file holding the replicas' shared HMAC key (else $LLM_EXTPROC_SYNC_KEY; never the key in
+    the YAML): messages and state dumps are signed, unsigned or forged ones dropped (server/sync.py)."""
 
 
-def _sync(raw: Any) -> SyncSettings:
+def _sync(raw: Any, base_dir: str | os.PathLike[str] | None = None) -> SyncSettings:
     where = "config: 'sync'"
     section = mapping(raw, where)
     check_keys(section, SyncSettings.__dataclass_fields__, where)
@@ -122,6 +127,8 @@ def _sync(raw: Any) -> SyncSettings:
     for key in ("max_message_bytes", "max_updates_per_s"):
         if key in section:
             values[key] = integer(section[key], f"{where}.{key}", minimum=1)
+    if section.get("key_file") is not None:  # relative: to the config file's folder
+        values["key_file"] = str(Path(base_dir or ".") / string(section["key_file"], f"{where}.key_file"))
     settings = SyncSettings(**values)
     if settings.expire_s <= settings.heartbeat_s:
         raise ConfigError(f"{where}.expire_s must exceed heartbeat_s (a live replica would expire)")
@@ -142,6 +149,8 @@ class ServiceConfig:
     shutdown_announce_s: float = DEFAULT_SHUTDOWN_ANNOUNCE_S
     """On SIGTERM: NOT_SERVING but still accepting streams this long, before the drain (settings)."""
     release_on: str = DEFAULT_RELEASE_ON
+    tls: TlsSettings | None = None
+    """TLS, and with a client CA mTLS, on the gRPC port (`tls:`; settings.TlsSettings)."""
     """How a routed request's end is learnt: `stream_end` or `access_log` (see settings)."""
     lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
     headers: HeaderNames = field(default_factory=HeaderNames)
@@ -204,6 +213,7 @@ _SECTIONS = (
     "admission",
     "engine_priority",
     "discovery",
+    "tls",
 )
 
 
@@ -321,10 +331,12 @@ def config_from_dict(
         unknown = sorted(engine_priority.clusters - set(pool.cluster_names()))
         if unknown:
             raise ConfigError(f"config: 'engine_priority.clusters' names clusters not in the pool: {unknown}")
+    tls = None if raw.get("tls") is None else tls_settings(raw["tls"], base_dir)
     return ServiceConfig(
+        tls=tls,
         discovery=discovery,
         bodies=_bodies(raw.get("bodies")),
-        sync=_sync(raw.get("sync")),
+        sync=_sync(raw.get("sync"), base_dir),
         explain=explain_settings(raw.get("explain")),
         admission=admission_settings(raw.get("admission")),
         engine_priority=engine_priority,

@@ -25,7 +25,8 @@ from extproc.config import ServiceConfig, load_config
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.redis_feed import redis_client
 from extproc.fleet.snapshots import InstanceState, SnapshotRejected, decode
-from extproc.settings import RedisSettings, redis_settings
+from extproc.lifecycle.admission import route_metadata_errors
+from extproc.settings import ENV_REDIS_PASSWORD, PROFILE_METADATA_KEY, RedisSettings, redis_settings
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 DEFAULT_EXT_PROC_CLUSTER = "llm-extproc"
@@ -98,6 +99,7 @@ async def run_doctor(opts: DoctorOptions) -> list[Check]:
     if config is not None:
         if envoy_cfg is not None:
             checks.append(_check_clusters(config, envoy_cfg, opts.envoy_config or "Envoy's config_dump"))
+            checks.append(check_route_metadata(config, envoy_cfg))
         else:
             checks.append(
                 Check("clusters agree", None, "not checked: pass --envoy-admin or --envoy-config envoy.yaml")
@@ -341,6 +343,40 @@ async def _check_ext_proc_cluster(
         checks.append(Check("llm-extproc cluster", False, f"{name}: no hosts: give it an endpoint"))
 
 
+_METADATA_LISTS = ("grpc_initial_metadata", "initial_metadata")
+
+
+def route_metadata_problems(config: ServiceConfig, envoy_cfg: Mapping[str, Any]) -> list[str]:
+    """Every llm-extproc key in the ext_proc metadata of an Envoy config (the filter's
+    grpc_service.initial_metadata and each route's ExtProcPerRoute grpc_initial_metadata) whose
+    value the service would not accept: an unknown profile, a priority or cap that is not a class,
+    an objective that is not a number. The service cannot see these until a request carries them."""
+    problems: list[str] = []
+    for node in _walk(envoy_cfg):
+        for list_key in _METADATA_LISTS:
+            entries = node.get(list_key)
+            if not isinstance(entries, list):
+                continue
+            for entry in entries:
+                if not isinstance(entry, dict):
+                    continue
+                key, value = str(entry.get("key", "")), str(entry.get("value", ""))
+                if key == PROFILE_METADATA_KEY and value not in config.profiles:
+                    problems.append(f"{key}={value!r}: no such profile (known: {', '.join(config.profiles)})")
+                    continue
+                problem = route_metadata_errors(key, value)
+                if problem is not None:
+                    problems.append(problem)
+    return problems
+
+
+def check_route_metadata(config: ServiceConfig, envoy_cfg: Mapping[str, Any]) -> Check:
+    problems = route_metadata_problems(config, envoy_cfg)
+    if problems:
+        return Check("route metadata", False, "; ".join(problems) + " (fix envoy.yaml)")
+    return Check("route metadata", True, "every ext_proc metadata value is valid")
+
+
 def _check_clusters(config: ServiceConfig, envoy_cfg: Mapping[str, Any], source: str) -> Check:
     """Every pool cluster exists in Envoy (else requests routed there get 503 NC), and every Envoy cluster
     tagged with llm-extproc metadata is in the pool (else the publisher scrapes engines never routed to)."""
@@ -372,11 +408,12 @@ def _check_clusters(config: ServiceConfig, envoy_cfg: Mapping[str, Any], source:
 
 # -- Redis and snapshots ---------------------------------------------------------------------------
 def _redis_settings(config: ServiceConfig, url: str | None) -> RedisSettings | None:
-    """The service's own Redis settings (pool, prefix, TLS), with --redis replacing the URL."""
+    """The service's own Redis settings (pool, prefix, TLS), with --redis replacing the URL; the
+    password, as for the service, from $LLM_EXTPROC_REDIS_PASSWORD unless the YAML gives one."""
     if url is None:
         return config.fleet
     if config.fleet is None:
-        return redis_settings({"url": url}, "--redis")
+        return redis_settings({"url": url}, "--redis", password_env=ENV_REDIS_PASSWORD)
     return dataclasses.replace(config.fleet, url=redis_settings({"url": url}, "--redis").url)
 
 

@@ -41,6 +41,9 @@ PRIORITY_METADATA_KEY = "x-llm-priority"
 MAX_PRIORITY_METADATA_KEY = "x-llm-max-priority"
 TTFT_SLO_METADATA_KEY = "x-llm-ttft-slo-ms"
 TPOT_SLO_METADATA_KEY = "x-llm-tpot-slo-ms"
+# Priority classes by name, as the integers the priority header also accepts (Gateway API Inference
+# Extension convention: above 0 critical, 0 standard, below 0 sheddable).
+PRIORITY_NAMES: dict[str, int] = {"critical": 1, "standard": 0, "sheddable": -1}
 DEFAULT_LISTEN = "127.0.0.1:9002"
 DEFAULT_METRICS_LISTEN = "127.0.0.1:9090"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -194,6 +197,19 @@ class AdmissionSettings:
     """Once a model's queue has not been empty for `overload_after_s`, its waiters are served newest
     first and those queued longer than this get 429 at once (None: FIFO up to `max_wait_s` always)."""
     retry_after_s: int = DEFAULT_ADMISSION_RETRY_AFTER_S
+    client_max_priority: int = PRIORITY_NAMES["standard"]
+    """The highest class a client's own priority header may ask for on a route whose metadata sets
+    no cap (`x-llm-max-priority`): a client cannot make itself critical unless a route grants it.
+    Applies whether or not admission is enabled (the class also reaches `engine_priority`)."""
+
+
+def priority_value(value: Any, where: str) -> int:
+    """A priority class in the YAML: critical | standard | sheddable, or an integer."""
+    if isinstance(value, str) and value.strip().lower() in PRIORITY_NAMES:
+        return PRIORITY_NAMES[value.strip().lower()]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ConfigError(f"{where} must be one of {', '.join(PRIORITY_NAMES)} or an integer, got {value!r}")
 
 
 def admission_settings(raw: Any, where: str = "config: 'admission'") -> AdmissionSettings:
@@ -231,6 +247,10 @@ def admission_settings(raw: Any, where: str = "config: 'admission'") -> Admissio
         values["max_queued"] = integer(section["max_queued"], f"{where}.max_queued", minimum=0)
     if "retry_after_s" in section:
         values["retry_after_s"] = integer(section["retry_after_s"], f"{where}.retry_after_s", minimum=1)
+    if "client_max_priority" in section:
+        values["client_max_priority"] = priority_value(
+            section["client_max_priority"], f"{where}.client_max_priority"
+        )
     return AdmissionSettings(**values)
 
 
@@ -358,6 +378,16 @@ class RedisTopology:
     password: str | None = None
 
 
+def redacted_url(url: str) -> str:
+    """`url` fit for a log or an error: whatever stands before its last `@` (user name and password)
+    is shown as `***`, with or without a scheme."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    _, at, hosts = rest.rpartition("@")  # as redis_topology() reads it: a password may hold a `/`
+    return f"{scheme}{sep}***@{hosts}" if at else url
+
+
 def _host_port(text: str, where: str) -> tuple[str, int]:
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -369,8 +399,11 @@ def redis_topology(settings: RedisSettings, where: str = "redis") -> RedisTopolo
     """Parse the URL (and the sentinels/master_name/cluster keys) into a topology; ConfigError if bad."""
     url = settings.url
     scheme, sep, rest = url.partition("://")
-    if not sep:
-        raise ConfigError(f"{where}: 'url' {url!r} has no scheme")
+    if not sep:  # never echoed as written: `user:secret@host:6379` would put the password in a log
+        raise ConfigError(
+            f"{where}: 'url' {redacted_url(url)!r} has no scheme (e.g. redis://, rediss://, "
+            "redis+sentinel://, redis+cluster://)"
+        )
     tls = scheme.startswith("rediss")
     userinfo, at, hostpart = rest.rpartition("@")
     username = password = None
@@ -428,6 +461,13 @@ def redis_settings(raw: Any, where: str, password_env: str | None = None) -> Red
             values[key] = tuple(string_list(value, f"{where}.{key}"))
         elif key == "cluster":
             values[key] = boolean(value, f"{where}.{key}")
+        elif key in ("password", "username") and value is not None and not isinstance(value, str):
+            # Not echoed (a numeric password is still a password); YAML turns `12345` into a number
+            # (and `0123` into 83): only a quoted string is taken as written.
+            raise ConfigError(
+                f"{where}.{key} must be a string: quote it in the YAML ({key}: '...'); "
+                f"got a {type(value).__name__} (not shown)"
+            )
         elif value is not None:
             values[key] = string(value, f"{where}.{key}")
     settings = RedisSettings(**values)
@@ -521,6 +561,44 @@ def string_list(value: Any, where: str, *, empty: bool = True) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or (not empty and not value):
         raise ConfigError(f"{where} must be a {'' if empty else 'non-empty '}list of strings")
     return value
+
+
+@dataclass(slots=True, frozen=True)
+class TlsSettings:
+    """`tls:` in the service YAML: the gRPC port (ext_proc, access log, health) speaks TLS with this
+    certificate; with `client_ca_file`, every client must present a certificate that CA signed
+    (mTLS: only Envoy, holding one, can open streams). Files are read again when they change
+    (a rotated Kubernetes Secret), checked at the next connection."""
+
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+
+
+def tls_settings(
+    raw: Any, base_dir: str | os.PathLike[str] | None, where: str = "config: 'tls'"
+) -> TlsSettings:
+    """A validated TlsSettings: each file named must exist and hold PEM (relative names resolve
+    against the config file's folder)."""
+    section = mapping(raw, where)
+    check_keys(section, TlsSettings.__dataclass_fields__, where)
+    files: dict[str, Path] = {}
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        if section.get(key) is None:
+            if key != "client_ca_file":
+                raise ConfigError(f"{where}.{key} is required")
+            continue
+        path = Path(string(section[key], f"{where}.{key}"))
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        try:
+            head = path.read_bytes()[:4096]
+        except OSError as exc:
+            raise ConfigError(f"{where}.{key}: cannot read {path}: {exc.strerror}") from None
+        if b"-----BEGIN " not in head:
+            raise ConfigError(f"{where}.{key}: {path} is not a PEM file")
+        files[key] = path
+    return TlsSettings(**files)
 
 
 def listen_address(value: Any, where: str) -> str:

@@ -131,6 +131,13 @@ def test_route_metadata_fixes_caps_and_defaults() -> None:
     decode = route_admission([("x-llm-tpot-slo-ms", "75")])
     assert decode == RouteAdmission(tpot_slo_ms=75.0)
     assert route_admission([("x-llm-tpot-slo-ms", "fast")]) == RouteAdmission()  # logged, ignored
+    # The service's cap for clients (admission.client_max_priority) applies where a route sets none;
+    # a route's own cap replaces it (up or down); a misspelt cap fails closed, at sheddable.
+    assert route_admission([], client_cap=0) == RouteAdmission(cap=0)
+    assert route_admission([("x-llm-profile", "p")], client_cap=0) is route_admission([], client_cap=0)
+    assert route_admission([("x-llm-max-priority", "critical")], client_cap=0) == RouteAdmission(cap=1)
+    assert route_admission([("x-llm-max-priority", "urgent")], client_cap=0) == RouteAdmission(cap=-1)
+    assert route_admission([("x-llm-priority", "urgent")], client_cap=0) == RouteAdmission(cap=0)
 
     lc = lifecycle()
     req = lc.prepare(head("critical"), BODY, fixed)

@@ -491,3 +491,39 @@ async def test_concurrent_15_mb_bodies_and_small_requests_through_envoy(stack: S
         big_statuses = await asyncio.gather(*big_jobs)
     assert small_statuses == [200] * 20, stack.logs()
     assert big_statuses == [200] * 4, stack.logs()  # 504 would be Envoy's ext_proc message timeout
+
+
+@pytest.mark.envoy
+async def test_a_chunked_body_of_500k_tiny_messages_is_refused_and_small_requests_go_on(stack: Stack) -> None:
+    """~14.5 MB of one-character messages, chunked (no content-length: the main process gets it):
+    a clear 400 instead of a 504 after seconds of rendering, and small requests meanwhile served
+    (their latencies are printed: the bench, not this test, judges time)."""
+    url = stack.url + "/v1/chat/completions"
+    raw = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 500_000})
+
+    async def chunked() -> AsyncIterator[bytes]:
+        for at in range(0, len(raw), 1 << 20):
+            yield raw[at : at + (1 << 20)]
+
+    small = orjson.dumps({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def big() -> tuple[int, Any]:
+            headers = {"content-type": "application/json"}
+            async with session.post(url, data=chunked(), headers=headers) as r:
+                return r.status, orjson.loads(await r.read())
+
+        async def smalls() -> list[tuple[int, float]]:
+            out = []
+            for _ in range(20):
+                started = time.perf_counter()
+                out.append((await _post(session, url, small), time.perf_counter() - started))
+                await asyncio.sleep(0.05)
+            return out
+
+        (status, doc), timed = await asyncio.gather(big(), smalls())
+    assert status == 400, doc
+    assert doc["error"]["code"] == "too_many_messages" and "at most" in doc["error"]["message"]
+    assert [s for s, _ in timed] == [200] * 20, stack.logs()
+    print("small requests' latencies (s):", sorted(round(t, 4) for _, t in timed))

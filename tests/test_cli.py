@@ -237,3 +237,43 @@ def test_publish_says_what_it_does_and_logs_discovery_errors() -> None:
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_a_redis_password_in_argv_is_warned_about_and_the_env_var_serves_instead(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A process's arguments are world-readable (/proc/<pid>/cmdline): `--redis-url` / `--redis` with
+    credentials get a warning at startup (never the password itself), the help says where the password
+    goes, and $LLM_EXTPROC_REDIS_PASSWORD reaches doctor's Redis client as it reaches the service's."""
+    import extproc.doctor as doctor
+    from extproc.config import config_from_dict
+    from extproc.settings import ENV_REDIS_PASSWORD
+
+    commands = subcommands()
+    assert ENV_REDIS_PASSWORD in commands["publish"].format_help().replace("\n", "")
+    assert ENV_REDIS_PASSWORD in commands["doctor"].format_help().replace("\n", "")
+
+    seen: list[doctor.DoctorOptions] = []
+
+    async def fake_run(opts: doctor.DoctorOptions, wait_s: float = 0.0) -> list[doctor.Check]:
+        seen.append(opts)
+        return []
+
+    monkeypatch.setattr(doctor, "run_doctor_until", fake_run)
+    try:
+        assert main(["doctor", "--redis", "redis://admin:Hunter2@127.0.0.1:6379/0"]) == 0
+        err = capsys.readouterr().err
+        assert "--redis carries credentials" in err and ENV_REDIS_PASSWORD in err and "Hunter2" not in err
+        assert main(["doctor", "--redis", "redis://127.0.0.1:6379/0"]) == 0
+        assert "credentials" not in capsys.readouterr().err
+    finally:
+        setup_logging("INFO", "text")
+    assert [o.redis_url for o in seen] == [
+        "redis://admin:Hunter2@127.0.0.1:6379/0",
+        "redis://127.0.0.1:6379/0",
+    ]
+
+    monkeypatch.setenv(ENV_REDIS_PASSWORD, "from-the-env")
+    static = config_from_dict({"pool": {"clusters": [{"name": "a", "models": ["m"]}]}})
+    settings = doctor._redis_settings(static, "redis://127.0.0.1:6379/0")
+    assert settings is not None and settings.password == "from-the-env"

@@ -54,6 +54,14 @@ async def test_routed_request_carries_a_ticket_and_is_released_by_it() -> None:
     assert pending.complete("other.1", "access_log") == "other_replica"
     assert pending.complete("", "access_log") == "no_ticket"
     assert lc.inflight.total() == 0
+    # A forger who saw one ticket cannot name the next: the one after it, counted on, is unknown.
+    second = await routed(lc, pending)
+    second.close()
+    guess = int(stream.ticket.partition(".")[2], 16) + 1
+    assert pending.complete(f"r1.{guess:032x}", "access_log") == "unknown"
+    assert pending.complete(f"r1.{guess:x}", "access_log") == "unknown"
+    assert lc.inflight.total() == 1 and second.ticket is not None
+    assert pending.complete(second.ticket, "access_log") == "released"
 
 
 async def test_streaming_requests_are_marked_for_the_header_timeout_route() -> None:

@@ -594,3 +594,34 @@ def test_fleet_stale_ready_grace_is_configurable() -> None:
     for bad in (-1, "1", True, 1000):
         with pytest.raises(ConfigError, match="stale_ready_grace_ttls"):
             config_from_dict({**base, "fleet": {"stale_ready_grace_ttls": bad}})
+
+
+@pytest.mark.parametrize(
+    ("fleet_yaml", "secret", "names"),
+    [
+        ("password: 48213977", "48213977", "password"),  # YAML reads it as a number
+        ("password: 0123", "0123", "password"),  # ... or as octal (83): never taken silently
+        ("username: 31337", "31337", "username"),
+        ("url: 'user:Sup3rSecret@redis.internal:6379/0'", "Sup3rSecret", "no scheme"),
+        ("url: ':Sup3r/Secret@redis.internal:6379'", "Sup3r", "no scheme"),
+        ("url: 'Sup3rSecret@redis.internal'", "Sup3rSecret", "no scheme"),
+    ],
+)
+def test_redis_config_errors_do_not_echo_the_secret(
+    tmp_path: Path, fleet_yaml: str, secret: str, names: str
+) -> None:
+    path = tmp_path / "svc.yaml"
+    path.write_text(f"pool:\n  clusters:\n  - {{name: a, models: [m]}}\nfleet:\n  {fleet_yaml}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert names in str(info.value)
+    assert secret not in str(info.value) and "83" not in str(info.value)
+
+
+def test_redacted_url_hides_what_stands_before_the_at() -> None:
+    from extproc.settings import redacted_url
+
+    assert redacted_url("redis://u:p@10.0.0.1:6380/2") == "redis://***@10.0.0.1:6380/2"
+    assert redacted_url("rediss+sentinel://:p/w@h1:1,h2:2/m/0") == "rediss+sentinel://***@h1:1,h2:2/m/0"
+    assert redacted_url("u:p@h:1") == "***@h:1"
+    assert redacted_url("redis://h:1/0") == "redis://h:1/0"

@@ -48,7 +48,15 @@ from extproc.telemetry.metrics import PLUGIN_FIGURES
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SCHEMAS = DEPLOY / "schemas"
-MANIFEST_DIRS = ["kubernetes", "istio", "envoy-gateway", "inference-extension", "monitoring"]
+# envoy-gateway/mtls: an optional overlay with its own kustomization, not listed by its parent.
+MANIFEST_DIRS = [
+    "kubernetes",
+    "istio",
+    "envoy-gateway",
+    "envoy-gateway/mtls",
+    "inference-extension",
+    "monitoring",
+]
 
 HCM = "envoy.filters.network.http_connection_manager"
 HCM_TYPE = (
@@ -229,7 +237,7 @@ def _breakages() -> list[tuple[str, Any]]:
     """One broken copy of a manifest per vendored schema: the validation must reject each."""
 
     def deployment(d: dict[str, Any]) -> None:
-        d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+        d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["periodSeconds"] = "two"
 
     def service(d: dict[str, Any]) -> None:
         d["spec"]["ports"][0]["port"] = "grpc"
@@ -267,6 +275,19 @@ def _breakages() -> list[tuple[str, Any]]:
     def prule(d: dict[str, Any]) -> None:
         d["spec"]["groups"][0]["rules"][0]["for"] = "2 minutes"
 
+    def peerauth(d: dict[str, Any]) -> None:
+        d["spec"]["mtls"]["mode"] = "STRICTLY"
+
+    def authz(d: dict[str, Any]) -> None:
+        source = d["spec"]["rules"][0]["from"][0]["source"]
+        source["principal"] = source.pop("principals")
+
+    def btls(d: dict[str, Any]) -> None:
+        d["spec"]["validation"]["hostname"] = "LLM-extproc"
+
+    def eproxy(d: dict[str, Any]) -> None:
+        del d["spec"]["backendTLS"]["clientCertificateRef"]["name"]
+
     def meta(d: dict[str, Any]) -> None:
         d["metadata"]["lables"] = {"a": "b"}
 
@@ -278,9 +299,13 @@ def _breakages() -> list[tuple[str, Any]]:
         ("istio/EnvoyFilter/llm-extproc", envoyfilter),
         ("istio/DestinationRule/llm-extproc", destinationrule),
         ("istio/HTTPRoute/llm", httproute),
+        ("istio/PeerAuthentication/llm-extproc", peerauth),
+        ("istio/AuthorizationPolicy/llm-extproc", authz),
         ("envoy-gateway/EnvoyExtensionPolicy/llm-extproc", eep),
         ("envoy-gateway/EnvoyPatchPolicy/llm-extproc", epp),
         ("envoy-gateway/ReferenceGrant/llm-extproc-from-llm", refgrant),
+        ("envoy-gateway/mtls/BackendTLSPolicy/llm-extproc", btls),
+        ("envoy-gateway/mtls/EnvoyProxy/llm-gateway", eproxy),
         ("inference-extension/InferencePool/vllm-llama", pool),
         ("monitoring/ServiceMonitor/llm-extproc", smon),
         ("monitoring/PrometheusRule/llm-extproc", prule),
@@ -292,7 +317,7 @@ def _breakages() -> list[tuple[str, Any]]:
     ("where", "breaker"), _breakages(), ids=[f"{w}:{b.__name__}" for w, b in _breakages()]
 )
 def test_schema_validation_rejects_a_broken_manifest(where: str, breaker: Any) -> None:
-    folder, kind, name = where.split("/")
+    folder, kind, name = where.rsplit("/", 2)
     doc = copy.deepcopy(one(folder, kind, name))
     assert schema_errors(doc) == []
     breaker(doc)
@@ -337,9 +362,20 @@ def test_service_deployment_matches_its_config(
     assert volume["configMap"]["items"][0]["key"] == "llm-extproc.yaml"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"grpc": port_of(cfg.listen), "metrics": port_of(cfg.metrics_listen)}
-    # Ready = serving the ext_proc service on the routing port; SIGTERM turns it NOT_SERVING.
-    assert c["readinessProbe"]["grpc"] == {"port": ports["grpc"], "service": EXT_PROC_SERVICE}
+    # Ready = /serving (what gRPC health says too; SIGTERM turns it not ready), over HTTP on the metrics
+    # port: the kubelet has no client certificate for a gRPC port that requires one (`tls:`).
+    assert c["readinessProbe"]["httpGet"] == {"path": "/serving", "port": "metrics"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert "grpc" not in c["livenessProbe"], "a draining replica is NOT_SERVING on purpose"
+    # The Redis password comes from the Secret the shipped Redis requires (redis.yaml).
+    env = {e["name"]: e for e in c["env"]}
+    assert env["LLM_EXTPROC_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == REDIS_SECRET
+    # Only the gateway reaches the gRPC port, only Prometheus the metrics port.
+    policy = one(folder, "NetworkPolicy", deployment)
+    assert policy["spec"]["podSelector"] == dep["spec"]["selector"]
+    rules = {r["ports"][0]["port"]: r["from"] for r in policy["spec"]["ingress"]}
+    assert set(rules) == {"grpc", "metrics"}
+    assert all(f["podSelector"]["matchLabels"] for f in rules["grpc"]), "never every pod of a namespace"
     # Alive = the event loop turns (/healthz on the metrics port; /metrics would answer from its thread
     # even with the loop stuck).
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -385,6 +421,26 @@ def test_publisher_config_loads_and_names_the_service_clusters(tmp_path: Path) -
     # Placeholder addresses: it must not start publishing DOWN snapshots for them by itself.
     assert dep["spec"]["replicas"] == 0
     assert all(i.address.startswith("192.0.2.") for i in pub.instances)
+
+
+REDIS_SECRET = {"name": "llm-extproc-redis", "key": "password"}
+
+
+def test_the_shipped_redis_requires_the_password_its_clients_read() -> None:
+    redis = container(one("kubernetes", "Deployment", "redis"))
+    env = {e["name"]: e for e in redis["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == REDIS_SECRET
+    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    publisher = container(one("kubernetes", "Deployment", "llm-extproc-publisher"))
+    env = {e["name"]: e for e in publisher["env"]}
+    assert env["LLM_EXTPROC_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == REDIS_SECRET
+    # Only the service, the publisher and the endpoint picker reach Redis.
+    policy = one("kubernetes", "NetworkPolicy", "redis")
+    allowed = {
+        f["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+        for f in policy["spec"]["ingress"][0]["from"]
+    }
+    assert allowed == {"llm-extproc", "llm-extproc-publisher", "llm-extproc-epp"}
 
 
 def test_redis_urls_point_at_the_shipped_redis_service() -> None:
@@ -474,6 +530,74 @@ def test_envoy_gateway_resources_target_the_llm_extproc_service() -> None:
     assert patch["spec"]["targetRef"]["name"] == gateway["name"]
     for jp in patch["spec"]["jsonPatches"]:
         assert jp["name"] == f"{gateway['namespace']}/{gateway['name']}/http"
+
+
+def test_istio_mesh_mtls_admits_only_the_gateway_to_the_grpc_port() -> None:
+    """PeerAuthentication STRICT and an ALLOW AuthorizationPolicy on the llm-extproc pods: only the
+    identity of the gateway the HTTPRoute attaches to may open gRPC streams; the metrics port stays
+    plaintext for Prometheus (the NetworkPolicy limits who). Ports are the sidecar's: container ports."""
+    dep = one("kubernetes", "Deployment", "llm-extproc")
+    ns = namespace_of("kubernetes", dep)
+    labels = dep["spec"]["selector"]["matchLabels"]
+    ports = {p["name"]: str(p["containerPort"]) for p in container(dep)["ports"]}
+    pa = one("istio", "PeerAuthentication", "llm-extproc")
+    assert pa["metadata"]["namespace"] == ns
+    assert pa["spec"]["selector"]["matchLabels"] == labels
+    assert pa["spec"]["mtls"] == {"mode": "STRICT"}
+    assert pa["spec"]["portLevelMtls"] == {ports["metrics"]: {"mode": "PERMISSIVE"}}
+    # Istio runs a Gateway API gateway under the ServiceAccount <name>-<gatewayClassName> (`istio`).
+    gateway = one("istio", "HTTPRoute", "llm")["spec"]["parentRefs"][0]
+    principal = f"cluster.local/ns/{gateway['namespace']}/sa/{gateway['name']}-istio"
+    ap = one("istio", "AuthorizationPolicy", "llm-extproc")
+    assert ap["metadata"]["namespace"] == ns
+    assert ap["spec"]["selector"]["matchLabels"] == labels
+    assert ap["spec"]["action"] == "ALLOW"
+    by_port: dict[str, Any] = {}
+    for rule in ap["spec"]["rules"]:
+        (to,) = rule["to"]
+        (port,) = to["operation"]["ports"]
+        by_port[port] = rule.get("from")
+    assert by_port == {ports["grpc"]: [{"source": {"principals": [principal]}}], ports["metrics"]: None}
+    # The gateway's side: Istio's auto mTLS, which a `tls:` in the DestinationRule would override.
+    tls = one("istio", "DestinationRule", "llm-extproc")["spec"]["trafficPolicy"].get("tls")
+    assert tls in (None, {"mode": "ISTIO_MUTUAL"})
+
+
+def shipped_mtls_transport() -> dict[str, Any]:
+    """envoy.yaml's commented `# BEGIN mtls` transport_socket (tests/test_mtls.py runs it)."""
+    lines = (ENVOY_DIR / "envoy.yaml").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# BEGIN mtls")
+    end = next(i for i, line in enumerate(lines) if line.strip() == "# END mtls")
+    prefix = lines[start][: lines[start].index("#")] + "# "
+    body = [line.removeprefix(prefix) for line in lines[start + 1 : end]]
+    return yaml.safe_load("\n".join(body))["transport_socket"]
+
+
+def test_envoy_gateway_mtls_overlay_is_optional_and_matches_the_service() -> None:
+    """deploy/envoy-gateway/mtls: TLS to the llm-extproc Service with the name envoy.yaml's mTLS block
+    checks, and the proxies' client certificate from an EnvoyProxy next to the Gateway."""
+    name, ns, _ = llm_extproc_service()
+    parent = yaml.safe_load((DEPLOY / "envoy-gateway" / "kustomization.yaml").read_text())
+    assert not any("mtls" in r for r in parent["resources"]), "the overlay is opt-in"
+    policy = one("envoy-gateway/mtls", "BackendTLSPolicy", "llm-extproc")
+    assert policy["metadata"]["namespace"] == ns, "a BackendTLSPolicy lives with its Service"
+    assert policy["spec"]["targetRefs"] == [{"group": "", "kind": "Service", "name": name}]
+    (ext,) = one("envoy-gateway", "EnvoyExtensionPolicy", "llm-extproc")["spec"]["extProc"]
+    assert {(b["name"], b["namespace"]) for b in ext["backendRefs"]} == {(name, ns)}
+    tls = shipped_mtls_transport()["typed_config"]
+    sans = tls["common_tls_context"]["validation_context"]["match_typed_subject_alt_names"]
+    assert policy["spec"]["validation"]["hostname"] == tls["sni"]
+    assert [s["matcher"]["exact"] for s in sans] == [tls["sni"]]
+    (ca,) = policy["spec"]["validation"]["caCertificateRefs"]
+    assert (ca["group"], ca["kind"]) == ("", "ConfigMap"), "Core support: a ConfigMap with ca.crt"
+    proxy = one("envoy-gateway/mtls", "EnvoyProxy")
+    gateway = one("envoy-gateway", "HTTPRoute", "llm")["spec"]["parentRefs"][0]
+    assert (proxy["metadata"]["name"], proxy["metadata"]["namespace"]) == (
+        gateway["name"],
+        gateway["namespace"],
+    )
+    ref = proxy["spec"]["backendTLS"]["clientCertificateRef"]
+    assert ref["kind"] == "Secret" and "namespace" not in ref, "a Secret next to the EnvoyProxy"
 
 
 def test_inference_pool_picks_through_the_llm_extproc_epp() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import orjson
 import pytest
 import yaml
 from gateway_stack import MODEL, Stack, wait_until
@@ -26,8 +27,12 @@ from extproc.discovery.kubernetes import EndpointSliceWatcher, slice_endpoints
 from extproc.fleet import RoutingMode
 from extproc.lab.engines import EngineGroup
 from extproc.lab.stack import ENVOY_DIR, free_port, wait_port
+from extproc.lifecycle import RequestLifecycle
+from extproc.openai.parse import parse_head
+from extproc.scheduling import plugin_name
 from extproc.server import app
 from extproc.settings import ConfigError
+from extproc.telemetry import Metrics
 
 TOKEN = "test-token-0123"
 SELECTOR = "kubernetes.io/service-name=vllm"
@@ -244,6 +249,74 @@ def test_pool_updates_swap_whole_and_keep_the_model_known() -> None:
     assert [u.address for u in pool.candidates(MODEL) or ()] == ["10.0.0.2:80", "10.0.0.3:80"]
 
 
+CHURN_PROFILE = {
+    "filters": ["bounded-load", "lora-affinity"],
+    "scorers": ["predicted-ttft", "prefix-affinity", "latency-ucb", "lora-affinity"],
+    "picker": "weighted-round-robin",  # every endpoint gets picked: every plugin learns about each
+}
+
+
+def per_upstream_state(lc: RequestLifecycle) -> dict[str, set[str]]:
+    """What the profiles' plugins and the lifecycle's state hold, by upstream id."""
+    held: dict[str, set[str]] = {}
+    for profile in {id(p): p for p in (*lc.config.profiles.values(), lc.fallback)}.values():
+        for plugin in [*profile.filters, *(s for s, _ in profile.scorers), profile.picker]:
+            name = plugin_name(plugin)
+            for attr in ("_models", "_index", "_arms", "_slots", "_dropped", "_current"):
+                table = getattr(plugin, attr, None)
+                if isinstance(table, dict):
+                    held.setdefault(f"{name}.{attr}", set()).update(table)
+            calibration = getattr(plugin, "calibration", None)
+            if calibration is not None:
+                held.setdefault(f"{name}.calibration", set()).update(
+                    (*calibration._ups, *calibration._ratios)
+                )
+            names = getattr(plugin, "_names", None)
+            if names is not None:
+                held.setdefault(f"{name}._seen", set()).update(names._seen)
+    return held
+
+
+def test_endpoints_discovery_removes_leave_no_plugin_state_behind() -> None:
+    """Pods replaced one after another must not grow per-upstream state without bound: when discovery
+    takes endpoints out of the pool, every plugin forgets them; state returns to the baseline."""
+    kept = ["10.0.0.1:80", "10.0.0.2:80"]
+    cfg = config_from_dict(
+        picker_config(kept, scheduling={"profile": "churn", "profiles": {"churn": CHURN_PROFILE}})
+    )
+    lc = RequestLifecycle(cfg, Metrics([MODEL], ["inference-pool"]))
+    head = parse_head(
+        {":method": "POST", ":path": "/v1/chat/completions", "content-type": "application/json"},
+        session_header="x-session-id",
+        user_header="x-user-id",
+        priority_header="x-llm-priority",
+    )
+
+    def serve(n: int, start: int) -> None:
+        for i in range(start, start + n):
+            text = f"tenant {i} asks a question long enough to be hashed in blocks " * 12
+            body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]})
+            lc.finish(lc.route(head, body), "response_end")
+
+    serve(10, 0)
+    baseline = per_upstream_state(lc)
+    ids = {f"inference-pool/{a}" for a in kept}
+    assert baseline["predicted-ttft._models"] == ids and baseline["prefix-affinity._index"] == ids
+    update = PoolUpdater(cfg.pool)
+    for generation in range(3):  # three rollouts, 30 pods each, the two old ones staying
+        pods = tuple(f"10.1.{generation}.{i}:80" for i in range(30))
+        update("inference-pool", (*pods, *kept))
+        serve(120, 1000 * (generation + 1))
+        grown = per_upstream_state(lc)
+        assert len(grown["predicted-ttft._models"]) == 32 and len(grown["latency-ucb._arms"]) == 32
+    update("inference-pool", tuple(kept))
+    after = per_upstream_state(lc)
+    assert all(held <= ids for held in after.values()), {k: len(v) for k, v in after.items()}
+    assert after["predicted-ttft._models"] == after["latency-ucb._arms"] == ids
+    serve(10, 9000)  # and routing goes on over the endpoints left
+    assert all(held <= ids for held in per_upstream_state(lc).values())
+
+
 # -- gRPC health services ---------------------------------------------------------------------------
 async def health_of(port: int, names: tuple[str, ...]) -> dict[str, str]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -416,6 +489,8 @@ def test_inference_extension_manifests_give_discovery_what_it_needs() -> None:
     assert (
         model_svc["metadata"]["namespace"] == role["metadata"]["namespace"] == pool["metadata"]["namespace"]
     )
-    # Startup must not wait for model pods (liveness), readiness must (the ext_proc name).
+    # Startup must not wait for model pods (/healthz: liveness), readiness must (/serving: what the
+    # ext_proc name's gRPC health says, over HTTP so it works with client certificates required).
     (container,) = pod["containers"]
-    assert container["startupProbe"]["grpc"]["service"] == "liveness"
+    assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/serving"

@@ -111,6 +111,7 @@ def test_healthy_stack_passes_every_check(setup: Setup, capsys: pytest.CaptureFi
         "envoy admin",
         "llm-extproc cluster",
         "clusters agree",
+        "route metadata",
         "redis",
         "snapshots gpu-a",
         "snapshots gpu-b",
@@ -149,7 +150,7 @@ def test_healthy_stack_passes_every_check(setup: Setup, capsys: pytest.CaptureFi
     out = capsys.readouterr().out.splitlines()
     assert status == 0
     assert out[-1] == "all checks passed"
-    assert all(line.startswith("OK ") for line in out[:-1]) and len(out) == 9
+    assert all(line.startswith("OK ") for line in out[:-1]) and len(out) == 10
 
 
 def post_json(url: str, body: dict[str, object]) -> int:

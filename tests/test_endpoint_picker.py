@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -337,14 +338,25 @@ async def test_subset_hint_restricts_every_pick(subset: Any, allowed: set[str]) 
     assert lc.inflight.total() == 0
 
 
-@pytest.mark.parametrize("subset", [[], ["10.9.9.9:80"], ["10.0.0"]])
-async def test_nothing_eligible_in_the_subset_is_a_503(subset: list[str]) -> None:
+@pytest.mark.parametrize("subset", [[], ["10.9.9.9:80"], ["10.0.0"], ["10.9.9.9:80", "10.9.9.8"]])
+async def test_nothing_eligible_in_the_subset_is_a_503(
+    subset: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 503's body counts the hint's entries but never lists them (the pool's addresses are not the
+    client's to see); the service's log has them."""
     lc = _lifecycle(EPS)
     s = RequestStream(lc)
-    await s.on_message(_headers(subset, ProcessingMode.FULL_DUPLEX_STREAMED))
-    [reply] = await s.on_message(BODY)
+    with caplog.at_level(logging.INFO, logger="extproc.endpoints"):
+        await s.on_message(_headers(subset, ProcessingMode.FULL_DUPLEX_STREAMED))
+        [reply] = await s.on_message(BODY)
     assert reply.immediate_response.status.code == 503
-    assert orjson.loads(reply.immediate_response.body)["error"]["code"] == "no_endpoint_in_subset"
+    error = orjson.loads(reply.immediate_response.body)["error"]
+    assert error["code"] == "no_endpoint_in_subset"
+    assert (f"None of the {len(subset)} endpoints" if subset else "empty") in error["message"]
+    for entry in subset:
+        assert entry not in reply.immediate_response.body.decode()
+        assert entry in caplog.text
+    assert "10." not in reply.immediate_response.body.decode()
     assert lc.inflight.total() == 0
 
 

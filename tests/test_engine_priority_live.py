@@ -20,6 +20,8 @@ from extproc.lab.stack.processes import body_mode_edit
 pytestmark = pytest.mark.envoy
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+# Tests of the class -> number mapping let clients ask for critical themselves (the default caps them).
+TRUSTED = {"client_max_priority": "critical"}
 
 
 def with_policy(stack: Stack, policy: str) -> None:
@@ -46,7 +48,9 @@ def received(stack: Stack) -> list[Any]:
 async def test_each_class_reaches_the_engine_as_its_number(
     make_stack: Callable[..., Stack], mode: str
 ) -> None:
-    stack = make_stack(service=service_config(engine_priority={}), envoy_edit=body_mode_edit(mode))
+    stack = make_stack(
+        service=service_config(engine_priority={}, admission=TRUSTED), envoy_edit=body_mode_edit(mode)
+    )
     with_policy(stack, "priority")
     for klass in ("critical", "standard", "sheddable"):
         status, doc = await post(stack, CHAT, **{"x-llm-priority": klass})
@@ -89,7 +93,7 @@ async def test_without_the_setting_the_body_is_untouched(make_stack: Callable[..
 async def test_engines_left_on_fcfs_refuse_every_class_but_standard(make_stack: Callable[..., Stack]) -> None:
     """The misconfiguration docs/operations.md warns about: the setting on, the engines not started
     with the priority policy. vLLM's answer (400) reaches the client; standard requests (0) pass."""
-    stack = make_stack(service=service_config(engine_priority={}))
+    stack = make_stack(service=service_config(engine_priority={}, admission=TRUSTED))
     with_policy(stack, "fcfs")
     status, doc = await post(stack, CHAT, **{"x-llm-priority": "critical"})
     assert status == 400 and doc["error"]["param"] == "priority"
@@ -102,7 +106,9 @@ async def test_engines_left_on_fcfs_refuse_every_class_but_standard(make_stack: 
 async def test_a_chunked_body_is_rewritten_too(make_stack: Callable[..., Stack], mode: str) -> None:
     """No content-length from the client (chunked transfer encoding): the rewritten body still
     reaches the engine whole, with the class's number."""
-    stack = make_stack(service=service_config(engine_priority={}), envoy_edit=body_mode_edit(mode))
+    stack = make_stack(
+        service=service_config(engine_priority={}, admission=TRUSTED), envoy_edit=body_mode_edit(mode)
+    )
     with_policy(stack, "priority")
     raw = orjson.dumps(CHAT)
 
@@ -123,7 +129,7 @@ async def test_a_chunked_body_is_rewritten_too(make_stack: Callable[..., Stack],
 async def test_only_the_named_clusters_get_the_field(make_stack: Callable[..., Stack]) -> None:
     """A pool where one cluster's engines run the priority policy and the other's do not:
     `clusters:` keeps the field away from the second, whose engines would refuse it."""
-    stack = make_stack(service=service_config(engine_priority={"clusters": ["gpu-a"]}))
+    stack = make_stack(service=service_config(engine_priority={"clusters": ["gpu-a"]}, admission=TRUSTED))
     a, b = stack.engines.engines  # gpu-a, gpu-b
     a.scheduling_policy, b.scheduling_policy = "priority", "fcfs"
     body = {**CHAT, "max_tokens": 20}  # held ~0.1 s each: concurrent ones spread over both
@@ -131,3 +137,62 @@ async def test_only_the_named_clusters_get_the_field(make_stack: Callable[..., S
     assert [status for status, _ in results] == [200] * 8, results
     assert a.stats.priorities and set(a.stats.priorities) == {-1}
     assert b.stats.priorities and set(b.stats.priorities) == {None}
+
+
+def route_caps(cfg: dict[str, Any]) -> None:
+    """`x-caller: trusted` takes a route whose metadata grants critical; `x-caller: typo` one whose
+    cap is misspelt (the service fails it closed: clients capped at sheddable)."""
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    per_route = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+    for caller, cap in (("trusted", "critical"), ("typo", "critcal")):
+        metadata = [{"key": "x-llm-max-priority", "value": cap}]
+        match = {"name": "x-caller", "string_match": {"exact": caller}}
+        routes.insert(
+            0,
+            {
+                "match": {"prefix": "/", "headers": [match]},
+                "route": {"cluster_header": "x-llm-destination-cluster", "timeout": "0s"},
+                "typed_per_filter_config": {
+                    "envoy.filters.http.ext_proc": {
+                        "@type": per_route,
+                        "overrides": {"grpc_initial_metadata": metadata},
+                    }
+                },
+            },
+        )
+
+
+async def test_a_client_cannot_raise_itself_to_critical_unless_its_route_grants_it(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """The shipped service config caps a client's own x-llm-priority at standard; a route's
+    `x-llm-max-priority: critical` lifts it for that route's callers; a misspelt cap fails closed."""
+    stack = make_stack(service=service_config(engine_priority={}), envoy_edit=route_caps)
+    with_policy(stack, "priority")
+    for _ in range(3):
+        status, doc = await post(stack, CHAT, **{"x-llm-priority": "critical"})  # any client
+        assert status == 200, doc
+    status, doc = await post(stack, CHAT, **{"x-llm-priority": "99"})
+    assert status == 200, doc
+    assert received(stack) == [0, 0, 0, 0]  # every one standard at the engine
+    status, doc = await post(stack, CHAT, **{"x-llm-priority": "critical", "x-caller": "trusted"})
+    assert status == 200, doc
+    status, doc = await post(stack, CHAT, **{"x-llm-priority": "critical", "x-caller": "typo"})
+    assert status == 200, doc
+    assert received(stack) == [-1, 0, 0, 0, 0, 1]
+
+
+async def test_with_admission_on_a_client_critical_is_counted_as_standard(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """The issue's probe: 20 requests sent with `x-llm-priority: critical` on the default route of the
+    shipped configuration with admission on: none is counted as critical."""
+    stack = make_stack(service=service_config(admission={"enabled": True}))
+    results = await asyncio.gather(*(post(stack, CHAT, **{"x-llm-priority": "critical"}) for _ in range(20)))
+    assert [status for status, _ in results] == [200] * 20, results
+    counted = {
+        key: value for key, value in stack.metrics().items() if key.startswith("llm_extproc_admission_total{")
+    }
+    assert sum(v for k, v in counted.items() if 'priority="standard"' in k) == 20, counted
+    assert not any('priority="critical"' in k and v for k, v in counted.items()), counted

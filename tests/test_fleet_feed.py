@@ -372,3 +372,33 @@ async def test_cancel_until_done_ends_a_task_that_loses_a_cancellation() -> None
     await asyncio.sleep(0)
     await asyncio.wait_for(cancel_until_done([task]), 5)
     assert task.cancelled() and swallowed == 1
+
+
+async def test_a_failing_rebuild_loop_goes_on_and_fails_readiness_only_while_it_keeps_failing(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop that expires snapshots raises (a bug, a bad record): it is logged and started again
+    instead of dying with the view frozen (stale instances still routed while /healthz says OK);
+    while it keeps failing, `supervision.failing()` (read by /readyz and gRPC health) names it."""
+    from extproc.telemetry import supervision
+
+    monkeypatch.setattr(supervision, "BACKOFF_S", (0.01, 0.02))
+    rebuild = harness.view.rebuild
+    broken = {"on": True}
+
+    def flaky() -> None:
+        if broken["on"]:
+            raise RuntimeError("boom")
+        rebuild()
+
+    monkeypatch.setattr(harness.view, "rebuild", flaky)
+    harness.feed.start()
+    await harness.feed.connected.wait()
+    await harness.put(snapshot(ttl_ms=300, waiting=0))
+    assert await until(lambda: any("fleet-rebuild" in f and "boom" in f for f in supervision.failing()))
+    broken["on"] = False  # the loop is still there: once the cause is gone the view expires again
+    assert await until(lambda: harness.view.candidates("m") is None, timeout=5)
+    monkeypatch.setattr(supervision, "HEALTHY_RUN_S", 0.05)
+    assert await until(lambda: not supervision.failing())
+    await harness.feed.stop()
+    assert not [s for s in supervision.loops() if s.name.startswith("fleet-")]  # stopped: gone

@@ -519,3 +519,45 @@ def test_grace_can_be_turned_off() -> None:
     v.apply(inst("c1/b", readiness=spb.DOWN, published_at=NOW + 3.0, expires_at=NOW + 6.0))
     v.rebuild()
     assert v.candidates("m1") == ()
+
+
+def test_forgotten_endpoints_leave_no_state_behind() -> None:
+    """Endpoints that come and go (pods replaced): once the last instance behind an upstream key is
+    forgotten, what the view kept per key goes too (own count at snapshot, epoch, smoothed TPOT) and
+    the departure hooks hear of it, so state tracks the endpoints there are, not every one seen."""
+    clock = Clock(NOW)
+    v = FleetView(endpoint_pool(), clock=clock)
+    departed: list[tuple[str, ...]] = []
+    v.on_departure(departed.append)
+    v.apply(inst("c1/10.0.0.1:8000", tpot_s=0.02, num_running=2))
+    v.rebuild()
+    v.smoothed_tpot("c1/10.0.0.1:8000", 5.0)
+    baseline = (len(v._own_at_apply), len(v._epochs), sum(len(s._seen) for s in v._tpot.values()))
+    for i in range(50):  # pods that come, serve, flap readiness once and go
+        uid = f"c1/10.9.0.{i}:8000"
+        v.apply(inst(uid, address=f"10.9.0.{i}:8000", tpot_s=0.03, num_running=1, expires_at=NOW + 1))
+        v.apply(inst(uid, address=f"10.9.0.{i}:8000", sequence=2, readiness=spb.DOWN, expires_at=NOW + 1))
+        v.apply(
+            inst(uid, address=f"10.9.0.{i}:8000", sequence=3, tpot_s=0.03, num_running=1, expires_at=NOW + 1)
+        )
+    v.rebuild()
+    grown = (len(v._own_at_apply), len(v._epochs), sum(len(s._seen) for s in v._tpot.values()))
+    assert all(g > b for g, b in zip(grown, baseline, strict=True)), (grown, baseline)
+    v.apply(
+        inst(
+            "c1/10.0.0.1:8000",
+            sequence=9,
+            published_at=NOW + FORGET_AFTER_S + 5,
+            expires_at=NOW + FORGET_AFTER_S + 10,
+            tpot_s=0.02,
+            num_running=2,
+        )
+    )
+    clock.t = NOW + 1 + FORGET_AFTER_S + 1
+    v.rebuild()
+    assert set(v.instances()) == {"c1/10.0.0.1:8000"}
+    assert (len(v._own_at_apply), len(v._epochs), sum(len(s._seen) for s in v._tpot.values())) == baseline
+    assert sorted(uid for batch in departed for uid in batch) == sorted(
+        f"c1/10.9.0.{i}:8000" for i in range(50)
+    )
+    assert v.upstream_keys() == {"c1/10.0.0.1:8000"}

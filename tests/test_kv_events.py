@@ -352,6 +352,63 @@ def test_index_applies_deltas_in_order_and_resyncs_from_full_sets() -> None:
     assert decode_delta(encode_delta(uid, 8, 2, [], [], False, None, 5)) is None
 
 
+def test_instances_that_left_are_forgotten() -> None:
+    """The index keeps a set per instance: one whose publisher went silent (no delta, no heartbeat)
+    for `forget_after_s` is dropped at the feed's next prune, its gauge series with it; one whose
+    endpoint discovery takes out of the pool is dropped at once. The sizes return to the baseline."""
+    from extproc.discovery import PoolUpdater
+    from extproc.fleet.kv_index import KvIndexFeed
+    from extproc.lifecycle import RequestLifecycle
+    from extproc.telemetry import Metrics
+
+    clock = [0.0]
+    index = KvIndex(stale_after_s=3.0, clock=lambda: clock[0], forget_after_s=300.0)
+    metrics = Metrics(["m"], ["c0"])
+    feed = KvIndexFeed(RedisSettings(), index, metrics)
+    alive = "c0/10.0.0.1:8000"
+
+    def heartbeat(uid: str, seq: int) -> None:
+        d = decode_delta(encode_delta(uid, 1, seq, [], [], False, None))
+        assert d is not None and index.apply_delta(d) == "applied"
+
+    assert index.apply_full(encode_full(alive, 1, 1, [_h(1), _h(2)]))
+    feed.maintain(0.0)
+    baseline = index.sizes()
+    pods = [f"c0/10.1.0.{i}:8000" for i in range(40)]
+    for i, uid in enumerate(pods):
+        assert index.apply_full(encode_full(uid, 1, 1, [_h(100 + i), _h(200 + i)]))
+    feed.maintain(1.0)
+    assert len(index.sizes()) == 41
+    series = "llm_extproc_kv_index_blocks"
+    assert metrics.registry.get_sample_value(series, {"upstream": pods[0]}) == 2
+    for t in range(60, 361, 60):  # the pods' publishers stopped; the live one heartbeats
+        clock[0] = float(t)
+        heartbeat(alive, t // 60 + 1)
+        feed.maintain(float(t))  # the feed prunes every PRUNE_EVERY_S of its own loop's time
+    assert index.sizes() == baseline and index.out_of_sync() == []
+    assert index._by_cluster == {"c0": [alive]}
+    assert index.holding(_h(1)) == [alive, "c0"]  # the cluster's only instance again
+    assert metrics.registry.get_sample_value(series, {"upstream": pods[0]}) is None
+
+    # Discovery takes endpoints out of the pool: the lifecycle forgets their sets at once.
+    cfg = config_from_dict(
+        {
+            "routing": "endpoint",
+            "metrics_listen": None,
+            "pool": {"clusters": [{"name": "c0", "models": ["m"], "endpoints": ["10.0.0.1:8000"]}]},
+        }
+    )
+    lc = RequestLifecycle(cfg, metrics)
+    lc.state.kv = index
+    update = PoolUpdater(cfg.pool)
+    update("c0", ("10.0.0.1:8000", *(p.partition("/")[2] for p in pods)))
+    for i, uid in enumerate(pods):
+        assert index.apply_full(encode_full(uid, 1, 1, [_h(300 + i)]))
+    assert len(index.sizes()) == 41
+    update("c0", ("10.0.0.1:8000",))
+    assert index.sizes() == baseline
+
+
 def test_kv_events_config() -> None:
     assert kv_events_spec(None, "x") is None
     assert kv_events_spec(True, "x") == KvEventsSpec()

@@ -15,7 +15,7 @@ from extproc.openai.errors import (
     no_upstream,
     unknown_model,
 )
-from extproc.openai.parse import MAX_MODEL_NAME, bodyless_request, parse_body, parse_head
+from extproc.openai.parse import MAX_MESSAGES, MAX_MODEL_NAME, bodyless_request, parse_body, parse_head
 
 SESSION = "x-session-id"
 USER = "x-user-id"
@@ -678,3 +678,13 @@ class TestErrors:
     def test_is_exception(self) -> None:
         with pytest.raises(RequestError):
             raise bad_request("x")
+
+
+def test_a_conversation_longer_than_max_messages_is_a_400() -> None:
+    """Rendering a million tiny messages takes seconds whatever their bytes: refused with a clear
+    400 before any is validated; the longest accepted conversation still parses."""
+    one = {"role": "user", "content": ""}
+    err = parse_err(chat(messages=[one] * (MAX_MESSAGES + 1)))
+    assert (err.status, err.param, err.code) == (400, "messages", "too_many_messages")
+    assert f"at most {MAX_MESSAGES}" in assert_error_body(err)["message"]
+    assert len(parse(chat(messages=[one] * MAX_MESSAGES)).messages or ()) == MAX_MESSAGES

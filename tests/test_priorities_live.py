@@ -27,6 +27,7 @@ ADMISSION = {
     "max_wait_s": 1.5,
     "retry_after_s": 2,
     "overload_wait_s": None,
+    "client_max_priority": "critical",  # these clients may ask for critical themselves
 }
 
 

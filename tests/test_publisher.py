@@ -760,10 +760,10 @@ async def test_an_instance_whose_scrape_raises_costs_only_itself(monkeypatch: py
 
     real = module.normalize
 
-    def fragile(engine: str, text: str) -> EngineLoad:
+    def fragile(engine: str, text: str, *, deadline: float | None = None) -> EngineLoad:
         if engine == "vllm":
             raise RuntimeError("a bug in the code reading this engine")
-        return real(engine, text)
+        return real(engine, text, deadline=deadline)
 
     monkeypatch.setattr(module, "normalize", fragile)
     engine = SimEngine("e", "m")

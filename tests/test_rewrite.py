@@ -86,3 +86,27 @@ def test_the_service_yaml_section(tmp_path: Path) -> None:
     path.write_text(pool + "engine_priority: {clusters: [gpu-b, gpu-c]}\n")
     with pytest.raises(ConfigError, match=r"not in the pool: \['gpu-c'\]"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "priorit\\u0079",
+        "\\u0070riority",
+        "pri\\u006Frity",  # upper-case hex digits
+        "\\u0070\\u0072\\u0069\\u006f\\u0072\\u0069\\u0074\\u0079",
+    ],
+)
+def test_a_json_escaped_spelling_of_the_field_counts_as_the_field(key: str) -> None:
+    """`"priorit\\u0079"` is the key `priority` to every JSON parser: spliced in as a second member,
+    the engine would see two values (and might keep the client's)."""
+    body = b'{"model":"m","' + key.encode() + b'":-100,"prompt":"line\\none"}'
+    out = set_field(body, "priority", 1)
+    assert orjson.loads(out) == {"model": "m", "priority": 1, "prompt": "line\none"}
+    assert out.count(b"priorit") == 1 and b"-100" not in out
+
+
+def test_escapes_elsewhere_still_splice() -> None:
+    body = b'{"model":"m","prompt":"caf\\u00e9 \\"prior\\"\\nity"}'
+    out = set_field(body, "priority", 1)
+    assert out.startswith(body[:-1]) and orjson.loads(out)["priority"] == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -99,16 +100,64 @@ def test_release_mode_matches_envoy(envoy_file: str, service_file: str) -> None:
     assert release_on == "access_log"  # the default too: a generation never depends on the service
 
 
-@pytest.mark.parametrize("service_file", [p[1] for p in PAIRS])
-def test_check_config_cli(service_file: str) -> None:
+@pytest.mark.parametrize(("envoy_file", "service_file"), PAIRS)
+def test_check_config_cli(envoy_file: str, service_file: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "extproc.cli", "check-config", "--config", str(ENVOY_DIR / service_file)],
+        [
+            *(sys.executable, "-m", "extproc.cli", "check-config"),
+            *("--config", str(ENVOY_DIR / service_file), "--envoy-config", str(ENVOY_DIR / envoy_file)),
+        ],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok:")
+    assert "route metadata" in out.stdout
+
+
+@pytest.mark.parametrize("service_file", [p[1] for p in PAIRS])
+def test_shipped_service_configs_cap_clients_at_standard(service_file: str) -> None:
+    """A client's own x-llm-priority cannot make it critical unless a route grants it."""
+    assert load_config(ENVOY_DIR / service_file).admission.client_max_priority == 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ({"key": "x-llm-max-priority", "value": "critcal"}, "x-llm-max-priority='critcal': must be one of"),
+        ({"key": "x-llm-priority", "value": "high"}, "x-llm-priority='high'"),
+        ({"key": "x-llm-ttft-slo-ms", "value": "fast"}, "must be a number of milliseconds"),
+        ({"key": "x-llm-profile", "value": "nosuch"}, "no such profile"),
+    ],
+)
+def test_check_config_cli_reports_bad_route_metadata(
+    tmp_path: Path, entry: dict[str, str], expected: str
+) -> None:
+    """A misspelt cap in envoy.yaml is an error before traffic, not a cap that silently disappears."""
+    cfg = load_envoy_config(ENVOY_DIR / "envoy.yaml")
+    routes = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "route_config"
+    ]["virtual_hosts"][0]["routes"]
+    routes[0]["typed_per_filter_config"] = {
+        "envoy.filters.http.ext_proc": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+            "overrides": {"grpc_initial_metadata": [entry]},
+        }
+    }
+    envoy_file = tmp_path / "envoy.yaml"
+    envoy_file.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run(
+        [
+            *(sys.executable, "-m", "extproc.cli", "check-config"),
+            *("--config", str(ENVOY_DIR / "llm-extproc.yaml"), "--envoy-config", str(envoy_file)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stdout
+    assert expected in out.stderr
 
 
 @pytest.mark.parametrize(

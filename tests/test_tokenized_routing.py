@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -69,16 +70,16 @@ def sample(lc: RequestLifecycle, name: str, **labels: str) -> float:
 def test_chat_is_tokenized_with_the_models_template(model_dir: Path) -> None:
     lc = lifecycle(model_dir)
     assert lc.config.tokenizers is not None
-    d = lc.route(HEAD, chat("llama", "What is a prefix cache?"))
+    request = lc.prepare(HEAD, chat("llama", "What is a prefix cache?"))  # parsed and tokenized
     expected = lc.config.tokenizers.tokenize(
         "llama", messages=[{"role": "user", "content": "What is a prefix cache?"}]
     )
-    assert d.request.prompt_tokens == expected.token_count > 5
-    assert list(d.request.prompt_token_ids or []) == list(expected.token_ids)
+    assert request.prompt_tokens == expected.token_count > 5
+    assert list(request.prompt_token_ids or []) == list(expected.token_ids)
     assert sample(lc, "llm_extproc_tokenized_requests_total", source="tokenizer") == 1
     # A model without a tokenizer is estimated (and counted as such); the request still routes.
     other = lc.route(HEAD, chat("other", "hello there"))
-    assert other.request.prompt_tokens is None and other.request.prompt_token_ids is None
+    assert other.request.prompt_tokens is None
     assert sample(lc, "llm_extproc_tokenized_requests_total", source="estimate") == 1
 
 
@@ -140,10 +141,13 @@ async def test_a_long_prompts_blocks_are_hashed_off_the_event_loop_and_used(
 
     lc = lifecycle(model_dir)
     threads: list[int] = []
+    hashed: list[tuple[list[int], int, list[bytes]]] = []  # (ids, block, hashes): the request's
 
     def spy(ids: object, block: int, most: int | None = None) -> list[bytes]:
         threads.append(threading.get_ident())
-        return block_hashes(ids, block, most)  # type: ignore[arg-type]
+        hashes = block_hashes(ids, block, most)  # type: ignore[arg-type]
+        hashed.append((list(ids), block, hashes))  # type: ignore[call-overload]
+        return hashes
 
     monkeypatch.setattr(router, "block_hashes", spy)
     scorer_hashed: list[int] = []
@@ -154,15 +158,13 @@ async def test_a_long_prompts_blocks_are_hashed_off_the_event_loop_and_used(
 
     monkeypatch.setattr(predicted_ttft, "block_hashes", scorer_spy)
     big = "tokens for a long context window " * 6500  # ~210 KB, ~34k tokens
-    d = await lc.route_async(HEAD, chat("llama", big))
+    await lc.route_async(HEAD, chat("llama", big))
     assert threads and threading.get_ident() not in threads
-    assert d.request.block_hashes is not None
-    block, hashes = d.request.block_hashes
-    assert block == 64 and hashes == block_hashes(d.request.prompt_token_ids or [], 64, 2048)
+    ((ids, block, hashes),) = hashed
+    assert len(ids) > 30_000 and block == 64 and hashes == block_hashes(ids, 64, 2048)
     assert scorer_hashed == []  # the scorer used the request's hashes
-    short = await lc.route_async(HEAD, chat("llama", "a short question"))
-    assert short.request.block_hashes is None  # short: hashed in the decision, as before
-    assert len(threads) == 1
+    await lc.route_async(HEAD, chat("llama", "a short question"))
+    assert len(threads) == 1  # short: hashed in the decision, as before
 
 
 def test_bad_tokenizer_config_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
@@ -172,3 +174,67 @@ def test_bad_tokenizer_config_is_a_config_error_naming_the_key(tmp_path: Path) -
         )
     with pytest.raises(ConfigError, match="tokenizers"):
         config_from_dict({"pool": POOL, "tokenizers": ["llama"]})
+
+
+async def test_many_short_messages_are_rendered_off_the_event_loop(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rendering costs per message, not only per character: 5 000 empty messages (a 150 KB body that
+    the content-length rule would keep on the loop) are rendered on a worker thread."""
+    lc = lifecycle(model_dir)
+    registry = lc.config.tokenizers
+    assert registry is not None
+    threads: list[int] = []
+    prepare = registry._prepare_checked
+
+    def spy(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return prepare(*args)
+
+    monkeypatch.setattr(registry, "_prepare_checked", spy)
+    await lc.route_async(HEAD, chat("llama", *([""] * 5000)))
+    assert threads and threading.get_ident() not in threads
+    threads.clear()
+    await lc.route_async(HEAD, chat("llama", "hi", "hello"))  # a short chat stays on the loop
+    assert threads == [threading.get_ident()]
+
+
+async def test_the_prompt_is_not_kept_once_routed(model_dir: Path) -> None:
+    """A routed request is held until its response ends: its messages and text are dropped at the
+    decision (a 1 MB chat body is ~10 MB of Python objects), the counts stay."""
+    lc = lifecycle(model_dir)
+    d = await lc.route_async(HEAD, chat("llama", "a question " * 50, "an answer"))
+    assert d.request.messages is None and d.request.prompt_text == "" and d.request.prompt_token_ids is None
+    assert d.request.prompt_tokens and d.request.body_bytes > 0
+
+
+COMPLETION_HEAD = parse_head(
+    {":method": "POST", ":path": "/v1/completions", "content-type": "application/json"},
+    session_header="x-session-id",
+    user_header="x-user-id",
+    priority_header="x-llm-priority",
+)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[10**12] * 200, [5, -1, 7] * 100, [[1, 2], [2**32]], [2**32] * 5000],
+    ids=["huge", "negative", "nested", "long"],
+)
+async def test_token_ids_out_of_range_are_a_400_not_a_500(model_dir: Path, prompt: list[object]) -> None:
+    """Token ids are hashed as uint32: an id outside 0..2^32-1 is the client's error (400, OpenAI's
+    shape), on the calling thread and on the event loop alike, never an OverflowError from a scorer."""
+    lc = lifecycle(model_dir)
+    body = orjson.dumps({"model": "llama", "prompt": prompt})
+    for attempt in ("route", "route_async"):
+        with pytest.raises(RequestError) as info:
+            if attempt == "route":
+                lc.route(COMPLETION_HEAD, body)
+            else:
+                await lc.route_async(COMPLETION_HEAD, body)
+        err = info.value
+        assert (err.status, err.code, err.param) == (400, "invalid_value", "prompt"), attempt
+        assert "token id" in err.message
+    edges = orjson.dumps({"model": "llama", "prompt": [0, 2**32 - 1] * 64})
+    ok = await lc.route_async(COMPLETION_HEAD, edges)
+    assert ok.upstream.cluster == "a"  # the range's two ends are ids like any other

@@ -31,7 +31,13 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
 
-ADMISSION = {"enabled": True, "max_tpot_s": 0.05, "tpot_window_s": 0.5, "retry_after_s": 1}
+ADMISSION = {
+    "enabled": True,
+    "max_tpot_s": 0.05,
+    "tpot_window_s": 0.5,
+    "retry_after_s": 1,
+    "client_max_priority": "critical",  # these clients may ask for critical themselves
+}
 
 
 async def start_stack(

@@ -24,6 +24,7 @@ KINDS = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudget-policy-v1.json",
     ("rbac.authorization.k8s.io/v1", "Role"): "role-rbac-v1.json",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebinding-rbac-v1.json",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicy-networking-v1.json",
 }
 # kind files point into _definitions.json; definitions point at each other inside it
 PREFIXES = ("/api/_definitions.json#/$defs/", "#/$defs/")

@@ -24,6 +24,7 @@ import orjson
 
 from extproc.discovery.settings import KubernetesDiscovery
 from extproc.telemetry import Metrics
+from extproc.telemetry.supervision import supervised
 
 log = logging.getLogger("extproc.discovery.kubernetes")
 
@@ -90,7 +91,9 @@ class EndpointSliceWatcher:
         return f"{s.api_server}/apis/discovery.k8s.io/v1/namespaces/{s.namespace}/endpointslices"
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="k8s-endpointslices")
+        self._task = asyncio.get_running_loop().create_task(
+            supervised("k8s-endpointslices", self._run), name="k8s-endpointslices"
+        )
 
     async def stop(self) -> None:
         if self._task is not None:

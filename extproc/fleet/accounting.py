@@ -9,6 +9,9 @@ from extproc.fleet.pool import Upstream
 
 # Told the cluster and +1/-1 on every change (the in-flight gauge per cluster).
 ChangeHook = Callable[[str, int], None]
+# Other replicas tracked at once: a fleet runs a handful; a flood of forged replica ids (an unsigned
+# sync channel) must not grow the tables (server/sync.py drops what `admits` refuses).
+MAX_ORIGINS = 256
 
 
 class Lease:
@@ -80,13 +83,20 @@ class RemoteInFlight:
     dropped, so the counts of one that died or lost Redis vanish instead of pinning upstreams.
 
     `count()` is a dict lookup on the summed table (the request path); `update`/`expire` run in the
-    sync task. Single-threaded (event loop) use only."""
+    sync task. Single-threaded (event loop) use only. At most `max_origins` replicas are held; the
+    caller checks `admits()` before `update()`."""
 
-    __slots__ = ("_by_origin", "_seen", "_total", "clock", "expire_s")
+    __slots__ = ("_by_origin", "_seen", "_total", "clock", "expire_s", "max_origins")
 
-    def __init__(self, expire_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        expire_s: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+        max_origins: int = MAX_ORIGINS,
+    ) -> None:
         self.expire_s = expire_s
         self.clock = clock
+        self.max_origins = max_origins
         self._by_origin: dict[str, dict[str, int]] = {}
         self._seen: dict[str, float] = {}
         self._total: dict[str, int] = {}
@@ -100,6 +110,10 @@ class RemoteInFlight:
         self._add(old, -1)
         self._add(counts, 1)
         self._by_origin[origin] = dict(counts)
+
+    def admits(self, origin: str) -> bool:
+        """Whether `origin`'s counts may be held: one already held, or room for another."""
+        return origin in self._seen or len(self._seen) < self.max_origins
 
     def forget(self, origin: str) -> bool:
         self._seen.pop(origin, None)

@@ -19,6 +19,11 @@ instance's set unusable until its full key is read again (`KvIndexFeed` does tha
 path). `blocks(id)` answers only with a set that is synced and fresh (a message, heartbeats included,
 within `stale_after_s`); otherwise None, and the scorer falls back to its own cache model.
 
+An instance that has left is forgotten: when nothing was heard from it for `forget_after_s` (its
+publisher heartbeats every instance it follows; `KvIndexFeed` prunes every few seconds), and at once
+when the service sees its endpoint leave the pool (extproc.lifecycle calls `forget`). A publisher that
+still follows it brings it back, re-read from its full key.
+
 Nothing here runs on the request path but `blocks()`, a dict lookup.
 """
 
@@ -36,8 +41,9 @@ import msgpack
 
 from extproc.fleet.redis_feed import RedisClient, cancel_until_done, follow_channel
 from extproc.fleet.view import KvHeld
-from extproc.settings import RedisSettings
+from extproc.settings import FORGET_AFTER_S, RedisSettings
 from extproc.telemetry import Metrics
+from extproc.telemetry.supervision import supervised
 
 log = logging.getLogger("extproc.kv_index")
 
@@ -46,6 +52,7 @@ UNKNOWN, PARTIAL, COMPLETE = 0, 1, 2  # what a published set is worth (`k`)
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_BUFFERED = 256  # deltas held per instance while waiting for its full set
 RESYNC_POLL_S = 0.25  # how often instances out of sync get their full key read
+PRUNE_EVERY_S = 5.0  # how often instances silent for forget_after_s are forgotten
 
 
 def kv_channel(settings: RedisSettings) -> str:
@@ -166,8 +173,14 @@ class KvIndex:
     (the cluster id, no address) uses its instance's set when exactly one instance of the cluster has
     one; with several, Envoy picks the instance, so no set is exact and the answer is None."""
 
-    def __init__(self, stale_after_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stale_after_s: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+        forget_after_s: float = FORGET_AFTER_S,
+    ) -> None:
         self.stale_after_s = stale_after_s
+        self.forget_after_s = forget_after_s
         self.clock = clock
         self._entries: dict[str, _Entry] = {}
         self._by_cluster: dict[str, list[str]] = {}
@@ -294,6 +307,15 @@ class KvIndex:
                 if not ids:
                     del self._by_cluster[cluster]
 
+    def prune(self) -> list[str]:
+        """Forget the instances nothing was heard from (deltas, heartbeats, full sets) for
+        `forget_after_s`: their engines are gone. Returns their ids."""
+        oldest = self.clock() - self.forget_after_s
+        gone = [uid for uid, e in self._entries.items() if e.heard_at < oldest]
+        for uid in gone:
+            self.forget(uid)
+        return gone
+
     def out_of_sync(self) -> list[str]:
         return [uid for uid, e in self._entries.items() if not e.synced]
 
@@ -315,10 +337,11 @@ class KvIndexFeed:
             index.lag_observer = metrics.kv_event_lag.observe
         self._tasks: list[asyncio.Task[None]] = []
         self._exported: set[str] = set()
+        self._next_prune = 0.0
         self.connected = asyncio.Event()
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._follow(), name="kv-index")]
+        self._tasks = [asyncio.create_task(supervised("kv-index", self._follow), name="kv-index")]
 
     async def stop(self) -> None:
         await cancel_until_done(self._tasks)
@@ -338,6 +361,16 @@ class KvIndexFeed:
             with contextlib.suppress(KeyError):
                 gauge.remove(uid)
         self._exported = set(sizes)
+
+    def maintain(self, now: float) -> None:
+        """Every poll: the size gauge; every PRUNE_EVERY_S, instances long silent are forgotten."""
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_EVERY_S
+            gone = self.index.prune()
+            if gone:
+                silent = self.index.forget_after_s
+                log.info("kv index: forgot %d instances silent for %.0fs", len(gone), silent)
+        self._export()
 
     def ingest(self, data: object) -> None:
         delta = decode_delta(data)
@@ -369,7 +402,7 @@ class KvIndexFeed:
             if loop.time() < next_poll:
                 return
             next_poll = loop.time() + RESYNC_POLL_S
-            self._export()
+            self.maintain(loop.time())
             behind = self.index.out_of_sync()
             if behind:
                 await self._load(client, [kv_key(self.settings, uid) for uid in behind])

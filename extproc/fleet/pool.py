@@ -8,7 +8,7 @@ path are a dict access, not a scan of the fleet.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -52,6 +52,9 @@ class Pool:
     _by_model: dict[str, tuple[Upstream, ...]] = field(init=False, default_factory=dict)
     _wildcard: tuple[Upstream, ...] = field(init=False, default=())
     _all: tuple[Upstream, ...] = field(init=False, default=())
+    _departure_hooks: list[Callable[[tuple[str, ...]], object]] = field(
+        init=False, default_factory=list, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.clusters]
@@ -69,9 +72,19 @@ class Pool:
         if addresses == found.endpoints:
             return False
         spec = ClusterSpec(name=found.name, models=found.models, endpoints=addresses, weight=found.weight)
+        before = {u.id for u in self._all}
         self.clusters = tuple(spec if c.name == cluster else c for c in self.clusters)
         self._index()
+        gone = tuple(sorted(before.difference(u.id for u in self._all)))
+        if gone:
+            for hook in list(self._departure_hooks):
+                hook(gone)
         return True
+
+    def on_departure(self, hook: Callable[[tuple[str, ...]], object]) -> None:
+        """Call `hook(upstream ids)` after set_endpoints() took upstreams out of the pool (state kept
+        per upstream can go: extproc.lifecycle forgets it)."""
+        self._departure_hooks.append(hook)
 
     def endpoint_count(self) -> int:
         return sum(1 for u in self._all if u.address is not None)

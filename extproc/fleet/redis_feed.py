@@ -31,6 +31,7 @@ from extproc.settings import (
     redis_topology,
 )
 from extproc.telemetry import Metrics
+from extproc.telemetry.supervision import supervised
 
 log = logging.getLogger("extproc.fleet")
 
@@ -276,8 +277,8 @@ class RedisFeed:
 
     def start(self) -> None:
         self._tasks = [
-            asyncio.create_task(self._follow(), name="fleet-redis"),
-            asyncio.create_task(self._maintain(), name="fleet-rebuild"),
+            asyncio.create_task(supervised("fleet-redis", self._follow), name="fleet-redis"),
+            asyncio.create_task(supervised("fleet-rebuild", self._maintain), name="fleet-rebuild"),
         ]
 
     async def stop(self) -> None:

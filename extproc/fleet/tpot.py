@@ -70,6 +70,9 @@ class SmoothedTpot:
         seen = self._seen.get(upstream_id)
         return None if seen is None else seen.running
 
+    def forget(self, upstream_id: str) -> None:
+        self._seen.pop(upstream_id, None)
+
     def take_all(self, loads: Mapping[str, TpotReport]) -> None:
         for upstream_id, load in loads.items():
             self.take(upstream_id, load)

@@ -144,6 +144,16 @@ class FleetView:
         self.dirty = False
         self.counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
         self.stale_ready_decisions = 0  # candidates() answers served from the stale-READY grace
+        self._departure_hooks: list[Callable[[tuple[str, ...]], object]] = []
+
+    def on_departure(self, hook: Callable[[tuple[str, ...]], object]) -> None:
+        """Call `hook(upstream keys)` when rebuild() forgot the last instance behind them (expired
+        FORGET_AFTER_S ago): what was kept per upstream can go (extproc.lifecycle forgets it)."""
+        self._departure_hooks.append(hook)
+
+    def upstream_keys(self) -> set[str]:
+        """The schedulable upstreams some held instance (fresh or not yet forgotten) belongs to."""
+        return {self._key(inst) for inst in self._instances.values()}
 
     @property
     def fresh_models(self) -> frozenset[str]:
@@ -182,6 +192,7 @@ class FleetView:
         groups: dict[str, list[InstanceState]] = {}
         late: list[InstanceState] = []  # READY, expired, still within the grace
         counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
+        forgotten: set[str] = set()  # upstream keys of instances forgotten in this pass
         for uid, inst in list(self._instances.items()):
             if not inst.fresh(now):
                 counts["stale"] += 1
@@ -189,6 +200,7 @@ class FleetView:
                     late.append(inst)
                 elif now - inst.expires_at > FORGET_AFTER_S:
                     del self._instances[uid]
+                    forgotten.add(self._key(inst))
                 continue
             models = self._models(inst)
             fresh_models.update(models)
@@ -237,6 +249,21 @@ class FleetView:
             smoothed.take_all(loads)
         self.counts = counts
         self.dirty = False
+        if forgotten:
+            self._forget(forgotten - self.upstream_keys())
+
+    def _forget(self, keys: set[str]) -> None:
+        """No instance is left behind these upstream keys: drop what was kept per key, tell the hooks."""
+        if not keys:
+            return
+        for key in keys:
+            self._own_at_apply.pop(key, None)
+            self._epochs.pop(key, None)
+            for smoothed in self._tpot.values():
+                smoothed.forget(key)
+        gone = tuple(sorted(keys))
+        for hook in list(self._departure_hooks):
+            hook(gone)
 
     def _models(self, inst: InstanceState) -> frozenset[str]:
         return inst.models or self._static_models.get(inst.cluster, frozenset())

@@ -43,11 +43,12 @@ from enum import Enum, StrEnum
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest, RequestError
 from extproc.openai.errors import shed
-from extproc.openai.parse import PRIORITY_NAMES, parse_slo_ms
+from extproc.openai.parse import parse_slo_ms
 from extproc.scheduling import FleetState
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
     PRIORITY_METADATA_KEY,
+    PRIORITY_NAMES,
     TPOT_SLO_METADATA_KEY,
     TTFT_SLO_METADATA_KEY,
     AdmissionSettings,
@@ -99,6 +100,8 @@ NO_ROUTE = RouteAdmission()
 _ROUTE_KEYS = frozenset(
     {PRIORITY_METADATA_KEY, MAX_PRIORITY_METADATA_KEY, TTFT_SLO_METADATA_KEY, TPOT_SLO_METADATA_KEY}
 )
+_LOWEST = PRIORITY_NAMES["sheddable"]
+_capped: dict[int | None, RouteAdmission] = {None: NO_ROUTE}  # a route without metadata, per cap
 _warned: set[str] = set()
 
 
@@ -113,25 +116,34 @@ def route_priority(value: str) -> int | None:
         return None
 
 
-def route_admission(metadata: Iterable[tuple[str, str | bytes]]) -> RouteAdmission:
+def route_admission(
+    metadata: Iterable[tuple[str, str | bytes]], client_cap: int | None = None
+) -> RouteAdmission:
     """The route's admission settings from its gRPC initial metadata (ExtProcPerRoute
-    grpc_initial_metadata in envoy.yaml). A malformed value is logged once and ignored: a typo in
-    envoy.yaml must not fail requests."""
+    grpc_initial_metadata in envoy.yaml), with `client_cap` (`admission.client_max_priority`) as
+    the cap of a route that sets none. Malformed values are logged once (`check-config
+    --envoy-config` finds them before traffic does) and fail closed: a bad cap caps clients at
+    sheddable, a bad fixed class or objective is left out."""
     found: dict[str, str] = {}
     for key, value in metadata:
         if key in _ROUTE_KEYS:
             found[key] = value if isinstance(value, str) else value.decode("utf-8", "replace")
     if not found:
-        return NO_ROUTE
-    fixed = cap = None
+        route = _capped.get(client_cap)
+        if route is None:
+            route = _capped[client_cap] = RouteAdmission(cap=client_cap)
+        return route
+    fixed = None
+    cap = client_cap
     if PRIORITY_METADATA_KEY in found:
         fixed = route_priority(found[PRIORITY_METADATA_KEY])
         if fixed is None:
-            _warn(PRIORITY_METADATA_KEY, found[PRIORITY_METADATA_KEY])
+            _warn(PRIORITY_METADATA_KEY, found[PRIORITY_METADATA_KEY], "left out")
     if MAX_PRIORITY_METADATA_KEY in found:
         cap = route_priority(found[MAX_PRIORITY_METADATA_KEY])
         if cap is None:
-            _warn(MAX_PRIORITY_METADATA_KEY, found[MAX_PRIORITY_METADATA_KEY])
+            cap = _LOWEST
+            _warn(MAX_PRIORITY_METADATA_KEY, found[MAX_PRIORITY_METADATA_KEY], "clients capped at sheddable")
     return RouteAdmission(
         fixed=fixed,
         cap=cap,
@@ -140,20 +152,40 @@ def route_admission(metadata: Iterable[tuple[str, str | bytes]]) -> RouteAdmissi
     )
 
 
+def route_metadata_errors(key: str, value: str) -> str | None:
+    """Why a route's metadata value is not valid (None when it is or the key is not ours): what
+    `check-config --envoy-config` reports for each ext_proc metadata entry of an envoy.yaml."""
+    if key in (PRIORITY_METADATA_KEY, MAX_PRIORITY_METADATA_KEY):
+        if route_priority(value) is None:
+            return f"{key}={value!r}: must be one of {', '.join(PRIORITY_NAMES)} or an integer"
+    elif key in (TTFT_SLO_METADATA_KEY, TPOT_SLO_METADATA_KEY):
+        try:
+            parse_slo_ms(value, key)
+        except RequestError:
+            return f"{key}={value!r}: must be a number of milliseconds above 0"
+    return None
+
+
 def _route_slo(found: dict[str, str], key: str) -> float | None:
     if key not in found:
         return None
     try:
         return parse_slo_ms(found[key], key)
     except RequestError:
-        _warn(key, found[key])
+        _warn(key, found[key], "left out")
         return None
 
 
-def _warn(key: str, value: str) -> None:
+def _warn(key: str, value: str, consequence: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        log.warning("route metadata %s=%r is not valid; ignored", key, value[:64])
+        log.error(
+            "route metadata %s=%r is not valid (%s); check envoy.yaml with "
+            "`llm-extproc check-config --envoy-config`",
+            key,
+            value[:64],
+            consequence,
+        )
 
 
 class Verdict(Enum):

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -18,6 +19,8 @@ from extproc.fleet import InFlight, Lease, Pool, Upstream
 from extproc.fleet.pool import within_subset
 from extproc.openai import RequestError
 from extproc.scheduling.explain import Explanation
+
+log = logging.getLogger("extproc.endpoints")
 
 
 class Routed(Protocol):
@@ -29,11 +32,23 @@ class Routed(Protocol):
 
 
 def no_endpoint_in_subset(model: str | None, subset: frozenset[str]) -> RequestError:
+    """The protocol's 503. The body goes to the client: it counts the hint's entries but never lists
+    them (they are the pool's IP addresses); the list is logged here instead."""
     what = f"model '{model}'" if model else "this request"
-    shown = ", ".join(sorted(subset)[:8]) or "(empty)"
+    n = len(subset)
+    log.info(
+        "no endpoint in the subset hint can serve %s; the hint's %d entries: %s",
+        what,
+        n,
+        ", ".join(sorted(subset)[:16])[:600] or "(empty)",
+    )
+    if n:
+        message = f"None of the {n} endpoints in the gateway's subset hint can serve {what}."
+    else:
+        message = f"The gateway's subset hint is empty: no endpoint can serve {what}."
     return RequestError(
         503,
-        f"No endpoint in the gateway's subset hint can serve {what}: {shown[:300]}.",
+        message,
         err_type="service_unavailable_error",
         code="no_endpoint_in_subset",
         retry_after=1,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ log = logging.getLogger("extproc.lifecycle")
 ENGINE_PRIORITY_APIS = frozenset({Api.CHAT, Api.COMPLETION})
 # Hash a prompt's blocks on a worker thread from this many blocks (~2 us each: 0.5 ms of the loop).
 OFFLOAD_HASH_BLOCKS = 256
+MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32 (extproc.tokenization.hashing)
 
 
 @dataclass(slots=True)
@@ -107,6 +109,33 @@ class RequestLifecycle:
         keep = config.explain.keep_last
         self.decisions = DecisionLog(keep) if keep > 0 else None  # /debug/decisions
         metrics.watch_plugins(self._plugin_figures)
+        # Endpoints that leave (discovery, or instances the view forgot): their state goes too.
+        config.pool.on_departure(self.forget_upstreams)
+        if view is not None:
+            view.on_departure(self.forget_upstreams)
+
+    def forget_upstreams(self, upstream_ids: Sequence[str]) -> list[str]:
+        """Upstreams that left: discovery took them out of the pool, or the fleet view forgot the last
+        instance behind them. Unless the pool or the view still has them, what the profiles' plugins
+        (framework.UpstreamMemory) and the precise prefix index kept about them goes, so a pool whose
+        endpoints churn keeps state for the endpoints it has, not every one it ever saw. Returns the
+        ids forgotten."""
+        live = {u.id for u in self.config.pool.everything()}
+        if self.view is not None:
+            live |= self.view.upstream_keys()
+        gone = [uid for uid in upstream_ids if uid not in live]
+        if not gone:
+            return gone
+        profiles = {id(p): p for p in (self.config.profile, *self.config.profiles.values(), self.fallback)}
+        for profile in profiles.values():
+            for uid in gone:
+                profile.forget_upstream(uid)
+        forget = getattr(self.state.kv, "forget", None)  # fleet/kv_index.py KvIndex
+        if forget is not None:
+            for uid in gone:
+                forget(uid)
+        log.debug("forgot the state of %d departed upstreams: %s", len(gone), ", ".join(gone[:16]))
+        return gone
 
     def _plugin_figures(self) -> Iterator[tuple[str, str, str, float]]:
         """The profiles' reporting plugins' figures (calibration, guard drops), for /metrics."""
@@ -181,13 +210,14 @@ class RequestLifecycle:
         started = time.perf_counter()
         request = self.prepare(head, body, route)
         self.admission.admit_now(request)
-        return self._routed(self._schedule(request, profile, started, explain, subset), body)
+        return self._routed(self._schedule(request, profile, started, explain, subset))
 
     def prepare(
         self, head: RequestHead, body: bytes | None, route: RouteAdmission = NO_ROUTE
     ) -> InferenceRequest:
         """Parse and tokenize on the calling thread, with the route's admission settings applied."""
         request = self._parse(head, body)
+        checked_token_ids(request)
         route.apply(request)
         args = self._tokenize_args(request)
         if args is not None:
@@ -218,6 +248,7 @@ class RequestLifecycle:
             request = await self.bodies.parse(head, body, keep_messages=keep)
         else:
             request = self._parse(head, body)
+        checked_token_ids(request)
         route.apply(request)
         args = self._tokenize_args(request)
         if args is not None:
@@ -232,7 +263,7 @@ class RequestLifecycle:
         waited = time.perf_counter()
         await self.admission.admit(request)
         started += time.perf_counter() - waited  # the decision time does not count the queue
-        return self._routed(self._schedule(request, profile, started, explain, subset), body)
+        return self._routed(self._schedule(request, profile, started, explain, subset))
 
     async def engine_body(self, decision: Decision, body: bytes | None) -> bytes | None:
         """The body with the request's engine priority written in (`engine_priority:`), or None
@@ -250,11 +281,12 @@ class RequestLifecycle:
             return await asyncio.to_thread(set_field, body, ep.field, value)
         return set_field(body, ep.field, value)
 
-    def _routed(self, decision: Decision, body: bytes | None) -> Decision:
-        """A big body's prompt is not kept while the request runs (plugins have seen it: their
-        on_pick hooks ran; on_finish gets the same request object, without its prompt)."""
-        if self.bodies.is_big(body):
-            decision.request.release_prompt()
+    @staticmethod
+    def _routed(decision: Decision) -> Decision:
+        """No prompt is kept while the request runs (plugins have seen it: their on_pick hooks ran;
+        on_finish gets the same request object, without its prompt): a 1 MB chat body's parsed
+        messages are ~10x its size in Python objects, held until the response ends."""
+        decision.request.release_prompt()
         return decision
 
     # -- tokenize --------------------------------------------------------------------------------
@@ -423,6 +455,22 @@ class RequestLifecycle:
             return bodyless_request(head)
         self.check_size(len(body))
         return parse_request(head, body)
+
+
+def checked_token_ids(request: InferenceRequest) -> None:
+    """A prompt given as token ids, as the uint32 array every hash of it reads (extproc.tokenization:
+    one conversion, here, instead of one per use); an id outside 0..2^32-1 is the client's 400, not a
+    500 from deep inside a scorer. A worker process's parse hands over such an array already."""
+    ids = request.prompt_token_ids
+    if not ids or isinstance(ids, array):
+        return
+    try:
+        request.prompt_token_ids = array("I", ids)
+    except OverflowError:
+        field = "input" if request.api is Api.EMBEDDING else "prompt"
+        raise bad_request(
+            f"'{field}' holds a token id outside 0..{MAX_TOKEN_ID}.", param=field, code="invalid_value"
+        ) from None
 
 
 def _template_error(exc: ChatTemplateError) -> RequestError:

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from extproc.openai.errors import RequestError, bad_request
+from extproc.settings import PRIORITY_NAMES
 
 
 class Api(StrEnum):
@@ -34,10 +35,10 @@ _API_BY_PATH: dict[str, Api] = {
 }
 
 MAX_MODEL_NAME = 256
-# Priority classes by name, as the integers the priority header also accepts (Gateway API Inference
-# Extension convention: above 0 critical, 0 standard, below 0 sheddable).
-PRIORITY_NAMES: dict[str, int] = {"critical": 1, "standard": 0, "sheddable": -1}
 MAX_SLO_MS = 3_600_000.0
+# A conversation longer than this is refused (400): rendering and tokenizing a million tiny messages
+# costs seconds of CPU whatever their size in bytes, for no real conversation.
+MAX_MESSAGES = 10_000
 Body = bytes | bytearray | memoryview  # what orjson reads: a worker parses from shared memory
 
 
@@ -336,6 +337,12 @@ def _chat_text(doc: dict[str, Any]) -> str:
         raise bad_request("Missing required field 'messages'.", param="messages", code="missing_field")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array.", param="messages", code="invalid_type")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(
+            f"'messages' has {len(messages)} entries; at most {MAX_MESSAGES} are accepted.",
+            param="messages",
+            code="too_many_messages",
+        )
     parts: list[str] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):

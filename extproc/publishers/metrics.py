@@ -6,10 +6,9 @@ do snapshots reach Redis.
 
 from __future__ import annotations
 
-import threading
-from wsgiref.simple_server import WSGIServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from extproc.telemetry.metrics import MetricsServer
 
 # Scrape + write of one instance: milliseconds when healthy, up to the scrape timeout when not.
 _LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
@@ -21,6 +20,8 @@ class PublisherMetrics:
         self.scrapes = Counter(
             "llm_extproc_publisher_scrapes",
             "Scrapes per instance by outcome: ok, timeout, unreachable, health_not_ok, metrics_error, "
+            "metrics_too_large (the page exceeds max_metrics_bytes), redirect (a 3xx, not followed), "
+            "parse_timeout (the page could not be parsed within the scrape deadline), "
             "no_load_signal (metrics answered but nothing says how busy the engine is), error (a "
             "publisher bug or unexpected library error; the instance's task carries on).",
             ["upstream", "outcome"],
@@ -117,20 +118,15 @@ class PublisherMetrics:
 
 
 class MetricsEndpoint:
-    """GET /metrics for the publisher's registry, on prometheus-client's own thread."""
+    """GET /metrics for the publisher's registry, on the service's metrics server (its own thread,
+    bounded threads, slow clients dropped: telemetry.MetricsServer)."""
 
     def __init__(self, metrics: PublisherMetrics, listen: str) -> None:
-        host, _, port = listen.rpartition(":")
-        self._server: WSGIServer
-        self._thread: threading.Thread
-        self._server, self._thread = start_http_server(
-            int(port), addr=host.strip("[]"), registry=metrics.registry
-        )
+        self._server = MetricsServer(metrics, listen)
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return self._server.port
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._server.close()

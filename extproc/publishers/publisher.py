@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
 import socket
 import time
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import yaml
@@ -42,7 +45,14 @@ from extproc.fleet.snapshots import (
     MAX_MODELS,
     MAX_QUEUE,
 )
-from extproc.publishers.engines import ENGINE_METRICS, EngineLoad, GpuReading, normalize, normalize_dcgm
+from extproc.publishers.engines import (
+    ENGINE_METRICS,
+    EngineLoad,
+    GpuReading,
+    ParseTimeout,
+    normalize,
+    normalize_dcgm,
+)
 from extproc.publishers.kv_events import KvEventsRelay, KvEventsSpec, kv_events_spec
 from extproc.publishers.metrics import MetricsEndpoint, PublisherMetrics
 from extproc.publishers.prefill_rate import PrefillRate
@@ -72,6 +82,18 @@ log = logging.getLogger("extproc.publisher")
 
 METADATA_NAMESPACE = "llm-extproc"
 LOAD_FIELDS = ("num_running", "num_waiting", "kv_cache_usage")  # any one of them makes a load signal
+
+# Largest /metrics (or DCGM) page read, by default. A vLLM page is ~100-300 KB; parsing 2 MiB of
+# vLLM-like exposition takes ~0.6-1 s of one core here, which the scrape deadline still cuts short.
+# 16 MiB (~6 s of parsing) let one engine's page outlast the snapshots' TTL. Configurable up to
+# MAX_METRICS_BYTES (`max_metrics_bytes`); a page above the cap is a failed scrape, read no further.
+DEFAULT_MAX_METRICS_BYTES = 2 * 1024 * 1024
+MIN_METRICS_BYTES = 4096
+# Threads that parse scrapes. Parsing runs off the event loop so the loop keeps scraping and writing
+# the other instances on schedule; a few threads so one slow page does not queue every other parse
+# behind it (they still share the GIL with the loop: the byte cap and the deadline bound them).
+PARSE_WORKERS = 4
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -124,6 +146,7 @@ class PublisherConfig:
     discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
     scrape_timeout_s: float | None = None  # None: derived from the interval (scrape_deadline_s)
     metrics_listen: str | None = None  # host:port for the publisher's own /metrics; None: off
+    max_metrics_bytes: int = DEFAULT_MAX_METRICS_BYTES  # larger /metrics pages are failed scrapes
     publisher_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
 
     @property
@@ -132,13 +155,26 @@ class PublisherConfig:
 
     @property
     def scrape_deadline_s(self) -> float:
-        """One instance's whole scrape (health + metrics) must end within this: inside one interval."""
+        """One instance's whole scrape (health + metrics + parsing) must end within this: inside one
+        interval."""
         if self.scrape_timeout_s is not None:
             return self.scrape_timeout_s
         return min(DEFAULT_SCRAPE_TIMEOUT_S, SCRAPE_TIMEOUT_SHARE * self.interval_s)
 
     def check(self) -> None:
-        """A scrape that may outlast the interval would make every snapshot of that instance late."""
+        """A scrape that may outlast the interval would make every snapshot of that instance late; a
+        page cap beyond MAX_METRICS_BYTES would let one engine's page cost seconds of parsing."""
+        cap = self.max_metrics_bytes
+        if (
+            isinstance(cap, bool)
+            or not isinstance(cap, int)
+            or not MIN_METRICS_BYTES <= cap <= MAX_METRICS_BYTES
+        ):
+            raise ConfigError(
+                f"publisher: 'max_metrics_bytes' must be an integer number of bytes from "
+                f"{MIN_METRICS_BYTES} to {MAX_METRICS_BYTES}, got {cap!r} "
+                f"(default {DEFAULT_MAX_METRICS_BYTES}: 2 MiB)"
+            )
         if self.scrape_timeout_s is not None and self.scrape_timeout_s >= self.interval_s:
             raise ConfigError(
                 f"publisher: 'scrape_timeout_s' ({self.scrape_timeout_s:g}) must be below 'interval_s' "
@@ -161,12 +197,14 @@ class _Previous:
 
 @dataclass(slots=True)
 class ScrapeResult:
-    """One scrape of one instance. `outcome` is a metric label; `detail` becomes readiness_reason."""
+    """One scrape of one instance. `outcome` is a metric label; `detail` becomes readiness_reason;
+    `message`, when set, is what an operator must read (logged once while the problem lasts)."""
 
     health: int | None = None
     load: EngineLoad | None = None
     outcome: str = "ok"
     detail: str = ""
+    message: str = ""
 
 
 def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
@@ -274,6 +312,8 @@ class Publisher:
         self._retiring: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._failing: set[str] = set()  # instances whose last cycle raised (log once, not per tick)
+        self._problems: dict[str, str] = {}  # instance -> the scrape problem last logged (once each)
+        self._parser: ThreadPoolExecutor | None = None  # parse threads, created on first use
         self._redis_ok = True
         self.kv_events: KvEventsRelay | None = None  # per-instance KV-event subscriptions, while running
         self._discovery_ok = True
@@ -317,6 +357,9 @@ class Publisher:
             await client.aclose()
             if endpoint is not None:
                 endpoint.close()
+            if self._parser is not None:  # a parse still running stops itself at its deadline
+                self._parser.shutdown(wait=False, cancel_futures=True)
+                self._parser = None
 
     async def _discover(self, session: aiohttp.ClientSession, admin: str) -> None:
         """Replace `instances` from Envoy; on any failure keep the last known set."""
@@ -368,13 +411,14 @@ class Publisher:
             else f"{len(self.instances)} configured instances: {_describe(self.instances)}"
         )
         log.info(
-            "publishing to %s (keys %s:snap:*) every %g s, scrape deadline %g s, ttl %g s; %s; "
-            "own metrics %s",
+            "publishing to %s (keys %s:snap:*) every %g s, scrape deadline %g s, ttl %g s, "
+            "metrics pages up to %d bytes; %s; own metrics %s",
             cfg.redis.url.split("@")[-1],
             cfg.redis.prefix,
             cfg.interval_s,
             cfg.scrape_deadline_s,
             cfg.ttl_ms / 1000,
+            cfg.max_metrics_bytes,
             source,
             f"on port {endpoint.port}" if endpoint is not None else "off",
             extra={"pool": cfg.redis.pool, "interval_s": cfg.interval_s},
@@ -391,6 +435,7 @@ class Publisher:
             if uid not in self._specs:
                 self._prev.pop(uid, None)
                 self._failing.discard(uid)
+                self._problems.pop(uid, None)
                 self.metrics.forget(uid)
         for uid in self._specs:
             if uid not in self._tasks:
@@ -457,6 +502,7 @@ class Publisher:
         uid = spec.upstream_id
         try:
             result = await self.scrape(session, spec)
+            self._log_problem(spec, result)
             snap = self.snapshot(
                 spec,
                 result.health,
@@ -480,6 +526,26 @@ class Publisher:
             return None
         await self.publish(client, snap, started)
         return snap
+
+    def _log_problem(self, spec: InstanceSpec, result: ScrapeResult) -> None:
+        """A scrape problem the operator must act on (a page over the cap, a redirect, a parse past
+        the deadline), logged when it starts or changes, not every interval while it lasts."""
+        uid = spec.upstream_id
+        if not result.message:
+            if self._problems.pop(uid, None) is not None and result.outcome == "ok":
+                log.info("%s (%s at %s): /metrics scrapes work again", uid, spec.engine, spec.address)
+            return
+        if self._problems.get(uid) == result.detail:
+            return
+        self._problems[uid] = result.detail
+        log.warning(
+            "%s (%s at %s): %s",
+            uid,
+            spec.engine,
+            spec.address,
+            result.message,
+            extra={"upstream": uid, "outcome": result.outcome, "reason": result.detail},
+        )
 
     def _log_change(self, spec: InstanceSpec, snap: spb.UpstreamSnapshot) -> None:
         """One line per readiness change of an instance (first state included), with the reason."""
@@ -508,7 +574,7 @@ class Publisher:
         )
 
     async def scrape(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> ScrapeResult:
-        """GET /health then /metrics, both within one deadline; parsing happens after it. A DCGM
+        """GET /health then /metrics and parse it (in a thread), all within one deadline. A DCGM
         exporter, when configured, is read at the same time, under the same deadline; whatever happens
         to it only leaves the GPU figures unknown."""
         gpu = asyncio.create_task(self.scrape_dcgm(session, spec)) if spec.dcgm_url else None
@@ -524,14 +590,17 @@ class Publisher:
     async def scrape_dcgm(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> GpuReading:
         """This instance's GPUs from its DCGM exporter; never raises (but for cancellation)."""
         reason = "dcgm_error"
+        deadline = time.monotonic() + self.config.scrape_deadline_s
         try:
             async with asyncio.timeout(self.config.scrape_deadline_s):
-                async with session.get(spec.dcgm()) as r:
-                    body = await r.content.read(MAX_METRICS_BYTES + 1)
-                    if r.status != 200 or len(body) > MAX_METRICS_BYTES:
-                        raise ValueError(f"status {r.status}, {len(body)} bytes")
+                async with session.get(spec.dcgm(), allow_redirects=False) as r:
+                    body = await _read_capped(r, self.config.max_metrics_bytes) if r.status == 200 else None
+                    if body is None:
+                        raise ValueError(
+                            f"status {r.status}, or more than {self.config.max_metrics_bytes} bytes"
+                        )
             reason = "dcgm_bad_metrics"
-            reading = normalize_dcgm(body.decode("utf-8", errors="replace"), spec.dcgm_gpus)
+            reading = await self._parse(deadline, _parse_dcgm, body, spec.dcgm_gpus)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
@@ -544,21 +613,36 @@ class Publisher:
         return reading
 
     async def _scrape_engine(self, session: aiohttp.ClientSession, spec: InstanceSpec) -> ScrapeResult:
+        """Health, then at most `max_metrics_bytes` of /metrics (no redirects followed), parsed in a
+        thread; the whole of it inside the scrape deadline, so one engine's page cannot hold the event
+        loop that scrapes and writes every other instance."""
         result = ScrapeResult()
-        text: str | None = None
+        cap = self.config.max_metrics_bytes
+        budget = self.config.scrape_deadline_s
+        deadline = time.monotonic() + budget
+        body: bytes | None = None
         try:
-            async with asyncio.timeout(self.config.scrape_deadline_s):
-                async with session.get(spec.url(spec.health_path)) as r:
+            async with asyncio.timeout(budget):
+                async with session.get(spec.url(spec.health_path), allow_redirects=False) as r:
                     result.health = r.status
+                    if 300 <= r.status < 400:  # not followed: health_not_ok, and said why
+                        result.message = _redirect_message(spec.health_path, r)
                     await r.content.read(MAX_HEALTH_BYTES)
-                async with session.get(spec.url(spec.metrics_path)) as r:
-                    body = await r.content.read(MAX_METRICS_BYTES + 1)
-                    if r.status != 200:
+                async with session.get(spec.url(spec.metrics_path), allow_redirects=False) as r:
+                    if 300 <= r.status < 400:
+                        result.outcome, result.detail = "redirect", f"metrics_redirect_{r.status}"
+                        result.message = _redirect_message(spec.metrics_path, r)
+                    elif r.status != 200:
                         result.outcome, result.detail = "metrics_error", f"metrics_status_{r.status}"
-                    elif len(body) > MAX_METRICS_BYTES:
-                        result.outcome, result.detail = "metrics_error", "metrics_too_large"
                     else:
-                        text = body.decode("utf-8", errors="replace")
+                        body = await _read_capped(r, cap)
+                        if body is None:
+                            result.outcome = result.detail = "metrics_too_large"
+                            result.message = (
+                                f"{spec.metrics_path} is larger than max_metrics_bytes ({cap} bytes): read "
+                                f"stopped there and the scrape counts as failed (metrics_too_large); "
+                                f"raise max_metrics_bytes if the page is legitimate"
+                            )
         except TimeoutError:
             result.outcome, result.detail = "timeout", "timeout"
         except (aiohttp.ClientError, OSError, ValueError) as exc:
@@ -567,13 +651,33 @@ class Publisher:
             log.debug("scrape %s failed: %s", spec.upstream_id, exc)
         if result.health is not None and result.health != 200 and result.outcome == "ok":
             result.outcome = "health_not_ok"
-        if text is not None:
+        if body is not None and result.detail != "timeout":
             try:
-                result.load = normalize(spec.engine, text)
+                result.load = await self._parse(deadline, _parse_engine, spec.engine, body)
+            except TimeoutError:
+                result.outcome, result.detail = "parse_timeout", "metrics_parse_timeout"
+                result.message = (
+                    f"parsing {spec.metrics_path} ({len(body)} bytes) did not end within the scrape "
+                    f"deadline ({budget:g} s); this round's figures are dropped (parse_timeout)"
+                )
             except ValueError as exc:
                 result.outcome, result.detail = "metrics_error", "bad_metrics"
                 log.debug("scrape %s: %s", spec.upstream_id, exc)
         return result
+
+    async def _parse(self, deadline: float, parse: Callable[..., _T], *args: Any) -> _T:
+        """`parse(*args, deadline=deadline)` in a parse thread, awaited until `deadline`
+        (time.monotonic()): the event loop goes on scraping and writing the other instances meanwhile.
+        Raises TimeoutError at the deadline; the thread notices it too and stops parsing there."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ParseTimeout("no time left to parse")
+        if self._parser is None:
+            self._parser = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="publisher-parse")
+        job = functools.partial(parse, *args, deadline=deadline)
+        future = asyncio.get_running_loop().run_in_executor(self._parser, job)
+        async with asyncio.timeout(remaining):  # a parse still queued then is cancelled, never run
+            return await future
 
     def snapshot(
         self,
@@ -655,6 +759,44 @@ class Publisher:
         lag = loop.time() - started if started is not None else 0.0
         self.metrics.published(snap.upstream_id, True, lag, now)
         return True
+
+
+async def _read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes | None:
+    """The whole body, or None as soon as it is known to exceed `cap` bytes (read no further; closing
+    the response then drops the connection). aiohttp's read(n) returns what is buffered, up to n
+    bytes, hence the loop (a single read used to parse only the first ~128 KB of a larger page)."""
+    declared = response.content_length
+    if declared is not None and declared > cap and not response.headers.get("Content-Encoding"):
+        return None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await response.content.read(cap + 1 - size)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+
+
+def _redirect_message(path: str, response: aiohttp.ClientResponse) -> str:
+    """Why a 3xx is a failed scrape: following it would send the publisher wherever the engine says."""
+    location = response.headers.get("Location", "")[:200]
+    return (
+        f"{path} answered {response.status} (Location {location!r}); the publisher does not follow "
+        f"redirects: point the instance's path at the page itself"
+    )
+
+
+def _parse_engine(engine: str, body: bytes, *, deadline: float) -> EngineLoad:
+    """Decode and normalise one /metrics page (runs in a parse thread)."""
+    return normalize(engine, body.decode("utf-8", errors="replace"), deadline=deadline)
+
+
+def _parse_dcgm(body: bytes, gpus: tuple[str, ...], *, deadline: float) -> GpuReading:
+    """Decode and read one DCGM exporter page (runs in a parse thread)."""
+    return normalize_dcgm(body.decode("utf-8", errors="replace"), gpus, deadline=deadline)
 
 
 def _describe(specs: list[InstanceSpec]) -> str:

@@ -54,6 +54,10 @@ class BoundedLoadFilter:
     _view: _PoolView | None = field(init=False, default=None)
     _dropped: dict[str, int] = field(init=False, default_factory=dict)
 
+    def forget_upstream(self, upstream_id: str) -> None:
+        """framework.UpstreamMemory: its drop count goes (the counter's series with it)."""
+        self._dropped.pop(upstream_id, None)
+
     def __post_init__(self) -> None:
         if not self.factor >= 1.0:
             raise ValueError("'factor' must be >= 1 (below 1 every candidate could be over its share)")

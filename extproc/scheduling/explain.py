@@ -7,10 +7,14 @@ scorer the raw score, the weight and the weighted contribution `weight x clamp(r
 the total. Without an Explanation the framework records nothing (a few `is None` tests per decision).
 
 Two ways out, both off by default (`explain:` in the service YAML, `ExplainSettings`):
-- a response header, `x-llm-decision`: the chosen upstream and the top candidates with their totals and
-  per-scorer contributions, compact and bounded. The service sets it as a *request* header with the
-  route; envoy.yaml's `response_headers_to_add` copies `%REQ(x-llm-decision)%` onto the response
-  (nothing is added when the request has none), so no response phase of ext_proc is needed;
+- a response header, `x-llm-decision`: by default (`detail: summary`) the chosen cluster, the profile
+  and the number of candidates, nothing else: the header goes to clients, and upstream addresses or
+  per-upstream scores (those of the prefix scorers say whose prompts an engine caches: a side channel
+  between tenants) are not theirs to see. `detail: full`, for routes whose clients the operator
+  trusts, adds the top candidates by id with their totals and per-scorer contributions, compact and
+  bounded. The service sets it as a *request* header with the route; envoy.yaml's
+  `response_headers_to_add` copies `%REQ(x-llm-decision)%` onto the response (nothing is added when
+  the request has none), so no response phase of ext_proc is needed;
 - `/debug/decisions` on the metrics port: the last `keep_last` decisions with every candidate's scores
   (`DecisionLog`, JSON).
 """
@@ -36,6 +40,7 @@ EXPLAIN_REQUEST_HEADER = "x-llm-explain"
 DECISION_HEADER = "x-llm-decision"
 """Set on the routed request; envoy.yaml copies it onto the response (`%REQ(x-llm-decision)%`)."""
 HEADER_MODES = ("off", "on_request", "always")
+DETAIL_LEVELS = ("summary", "full")
 MAX_HEADER_BYTES = 512
 TOP_CANDIDATES = 3
 EXPLAINED_FIGURES = ("token_ratio", "ttft_error_s")  # reporting plugins' figures shown per upstream
@@ -51,10 +56,16 @@ class ExplainSettings:
     operator allowed it, and even then pays only for its own requests. `always`: every routed request
     (a staging gateway). keep_last: decisions kept for /debug/decisions; 0 (default) turns the endpoint
     off (404) and records nothing. While it is above 0 every decision is recorded (a copy of what
-    each plugin returned; measured in docs/benchmarks.md, "Decision explanation")."""
+    each plugin returned; measured in docs/benchmarks.md, "Decision explanation"). detail: what the
+    header tells the client: `summary` (default) the picked cluster, the profile and the candidate
+    count; `full` also the picked upstream's id (`cluster/ip:port` in endpoint mode), its calibration
+    figures and the top candidates' ids, totals and per-scorer contributions, which expose upstream
+    addresses and what the prefix scorers know of other clients' prompts: only where the header's
+    readers are trusted. /debug/decisions (the metrics port, operators only) is always complete."""
 
     header: str = "off"
     keep_last: int = 0
+    detail: str = "summary"
 
     def wants_header(self, headers: Mapping[str, str]) -> bool:
         """Whether this request's response gets the decision header."""
@@ -62,11 +73,15 @@ class ExplainSettings:
             return False
         return self.header == "always" or headers.get(EXPLAIN_REQUEST_HEADER, "").strip() == "1"
 
+    def header_for(self, explanation: Explanation) -> str:
+        """The decision header's value at this `detail` level."""
+        return explanation.header_value() if self.detail == "full" else explanation.summary_value()
+
 
 def explain_settings(raw: Any) -> ExplainSettings:
     where = "config: 'explain'"
     section = mapping(raw, where)
-    check_keys(section, ("header", "keep_last"), where)
+    check_keys(section, ("header", "keep_last", "detail"), where)
     values: dict[str, Any] = {}
     if "header" in section:
         header = section["header"]
@@ -84,6 +99,11 @@ def explain_settings(raw: Any) -> ExplainSettings:
         if keep > MAX_KEEP_LAST:
             raise ConfigError(f"{where}.keep_last must be at most {MAX_KEEP_LAST}, got {keep}")
         values["keep_last"] = keep
+    if "detail" in section:
+        detail = section["detail"]
+        if detail not in DETAIL_LEVELS:
+            raise ConfigError(f"{where}.detail must be one of {list(DETAIL_LEVELS)}, not {detail!r}")
+        values["detail"] = detail
     return ExplainSettings(**values)
 
 
@@ -217,6 +237,13 @@ class Explanation:
                 break
             out = f"{out}, {item}"
         return out[:max_bytes]
+
+    def summary_value(self) -> str:
+        """`<picked cluster>; profile=<p>; candidates=<n>`: what a client may read (`detail: summary`),
+        no upstream address and no score."""
+        picked = self.picked.cluster if self.picked is not None else "none"
+        survivors = self.kept[-1] if self.kept else self.offered
+        return f"{_token(picked)}; profile={_token(self.profile)}; candidates={len(survivors)}"
 
     def figures(self, upstream_id: str) -> dict[str, float]:
         """The reporting plugins' figures about one upstream (e.g. its token ratio, its TTFT error)."""

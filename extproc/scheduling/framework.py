@@ -164,6 +164,16 @@ class SharedPlugin(Protocol):
         ...
 
 
+@runtime_checkable
+class UpstreamMemory(Protocol):
+    """A plugin that keeps state per upstream id (a cache model, learnt latencies, counters): told
+    when an upstream has left for good (discovery took the endpoint out of the pool, or its snapshots
+    stopped long ago, fleet/view.py), so a pool whose endpoints come and go does not grow that state
+    without bound. An id that comes back later starts afresh."""
+
+    def forget_upstream(self, upstream_id: str) -> None: ...
+
+
 # Told (plugin kind, plugin name, seconds) after each plugin call: the per-plugin time histogram.
 PluginTimer = Callable[[str, str, float], None]
 
@@ -258,11 +268,14 @@ class Profile:
     # What to hash a long prompt with before scheduling (PromptHashing), if any plugin wants it.
     hash_spec: tuple[int, int] | None = field(init=False, default=None)
     reporting: tuple[Reporting, ...] = field(init=False, default=())
+    # Plugins with state per upstream id, told when an upstream has left (UpstreamMemory).
+    forgetting: tuple[UpstreamMemory, ...] = field(init=False, default=())
     _labels: tuple[tuple[str, ...], tuple[str, ...], str] = field(init=False, default=((), (), ""))
 
     def __post_init__(self) -> None:
         plugins = [*self.filters, *(s for s, _ in self.scorers), self.picker]
         self.reporting = tuple(p for p in plugins if isinstance(p, Reporting))
+        self.forgetting = tuple(p for p in plugins if isinstance(p, UpstreamMemory))
         self.pick_hooks = tuple(p for p in plugins if isinstance(p, PickHook))
         self.finish_hooks = tuple(p for p in plugins if isinstance(p, FinishHook))
         self.shared = tuple(
@@ -278,6 +291,11 @@ class Profile:
         for p in plugins:
             if isinstance(p, ProfileBound):
                 p.bind_profile(self)
+
+    def forget_upstream(self, upstream_id: str) -> None:
+        """The upstream has left for good: every plugin drops what it kept about it."""
+        for plugin in self.forgetting:
+            plugin.forget_upstream(upstream_id)
 
     def schedule(
         self,

@@ -114,6 +114,10 @@ class LatencyUcbScorer:
         arm.latency_sum.add(weight * latency, at, self._rate)
         arm.latency_weight.add(weight, at, self._rate)
 
+    def forget_upstream(self, upstream_id: str) -> None:
+        """framework.UpstreamMemory: its arm (latencies and picks) goes."""
+        self._arms.pop(upstream_id, None)
+
     def _arm(self, upstream_id: str) -> _Arm:
         arm = self._arms.get(upstream_id)
         if arm is None:

@@ -54,6 +54,9 @@ class _Adapters:
     def known(self, model: str | None) -> bool:
         return model is not None and (model in self.configured or model in self.learned)
 
+    def forget(self, upstream_id: str) -> None:
+        self._seen.pop(upstream_id, None)
+
 
 @FILTERS.register("lora-affinity")
 @dataclass(slots=True)
@@ -68,6 +71,10 @@ class LoraAffinityFilter:
 
     def __post_init__(self) -> None:
         self._names = _Adapters(configured=frozenset(self.adapters))
+
+    def forget_upstream(self, upstream_id: str) -> None:
+        """framework.UpstreamMemory: the snapshot last learnt from there goes (its adapters stay known)."""
+        self._names.forget(upstream_id)
 
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
@@ -140,6 +147,11 @@ class LoraAffinityScorer:
         if self.overload_slack < 0 or self.default_slots < 0:
             raise ValueError("overload_slack and default_slots must be >= 0")
         self._names = _Adapters(configured=frozenset(self.adapters))
+
+    def forget_upstream(self, upstream_id: str) -> None:
+        """framework.UpstreamMemory: its slot model goes (its adapters stay known)."""
+        self._slots.pop(upstream_id, None)
+        self._names.forget(upstream_id)
 
     def _sync(self, upstream_id: str, load: Load | None, now: float) -> _Slots:
         """The upstream's slot model, corrected by a new snapshot: listed adapters are in memory now."""

@@ -168,6 +168,10 @@ class WeightedRoundRobinPicker:
 
     _current: dict[str, float] = field(init=False, default_factory=dict)
 
+    def forget_upstream(self, upstream_id: str) -> None:
+        """framework.UpstreamMemory: its running weight goes."""
+        self._current.pop(upstream_id, None)
+
     def pick(
         self, request: InferenceRequest, candidates: Sequence[Upstream], scores: Sequence[float]
     ) -> Upstream:

@@ -55,7 +55,7 @@ from extproc.scheduling.calibration import Calibration
 from extproc.scheduling.capacity import prefill_rates
 from extproc.scheduling.framework import SCORERS, FleetState
 from extproc.scheduling.prefix import prefix_hashes
-from extproc.scheduling.sharing import RESET, Outbox, pack_hashes, unpack_hashes
+from extproc.scheduling.sharing import RESET, Outbox, PeerChecks, is_int, pack_hashes, unpack_hashes
 from extproc.tokenization import block_hashes, estimate_tokens
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0  # an A10G-class GPU on an 8B model, erring low
@@ -63,6 +63,7 @@ BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (se
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
 SENT_WINDOW_S = 60.0  # recent sends kept per upstream
 MAX_DEMAND_KEYS = 100_000  # prefix ends whose recent demand is counted (copy_demand), least recent out
+MAX_REMOTE_PREFILL_S = 3600.0  # a peer's pick predicting more prefill than this is not believed
 
 
 @dataclass(slots=True)
@@ -141,6 +142,7 @@ class PredictedTtftScorer:
     _outbox: Outbox = field(init=False, default_factory=Outbox)
     _serial: int = field(init=False, default=0)
     _remote: dict[str, dict[int, tuple[str, Placement]]] = field(init=False, default_factory=dict)
+    _peers: PeerChecks = field(init=False, default_factory=PeerChecks)  # what their records must pass
     _rates_key: tuple[tuple[int, ...], tuple[int, ...]] = field(init=False, default=((), ()))
     _rates_held: tuple[tuple[Upstream, ...], tuple[Load | None, ...]] = field(init=False, default=((), ()))
     _rates_cache: dict[str, float] = field(init=False, default_factory=dict)
@@ -558,39 +560,51 @@ class PredictedTtftScorer:
     def take_updates(self) -> list[Any]:
         return self._outbox.take()
 
+    def check_peers(self, checks: PeerChecks) -> None:
+        self._peers = checks
+
     def apply_updates(self, origin: str, updates: list[Any]) -> None:
         """Another replica's picks place blocks in the cache models and add their prefill to the
-        virtual queues, as this replica's own do; its finishes release them."""
+        virtual queues, as this replica's own do; its finishes release them. Records of another
+        shape, about upstreams this replica does not know, or stamped with a time it does not
+        believe (NaN, far off; `PeerChecks.when`) are skipped and counted."""
         remote = self._remote.setdefault(origin, {})
         for record in updates:
-            if not isinstance(record, list) or not record:
-                continue
-            kind = record[0]
+            kind = record[0] if isinstance(record, list) and record else None
             if kind == "p" and len(record) in (7, 8):  # 7: a replica from before demand counting
                 self._apply_pick(remote, record)
-            elif kind == "f" and len(record) == 2 and isinstance(record[1], int):
+            elif kind == "f" and len(record) == 2 and is_int(record[1]):
                 held = remote.pop(record[1], None)
                 if held is not None:
                     model = self._models.get(held[0])
                     if model is not None:
                         model.cache.release(held[1])
-            elif kind == RESET:
+            elif kind == RESET and len(record) == 1:
                 self.forget_origin(origin)
                 remote = self._remote.setdefault(origin, {})
+            else:
+                self._peers.reject("record")
 
     def _apply_pick(self, remote: dict[int, tuple[str, Placement]], record: list[Any]) -> None:
         _, serial, uid, blob, output_blocks, prefill_s, when, *rest = record
         hashes = unpack_hashes(blob)
+        peers = self._peers
         if (
             hashes is None
-            or not isinstance(uid, str)
-            or not isinstance(serial, int)
-            or not isinstance(output_blocks, int)
+            or not is_int(serial)
+            or not is_int(output_blocks)
             or not isinstance(prefill_s, int | float)
-            or not isinstance(when, int | float)
-            or not 0 <= prefill_s < 3600
+            or isinstance(prefill_s, bool)
+            or not 0 <= prefill_s < MAX_REMOTE_PREFILL_S  # (NaN fails too)
         ):
+            peers.reject("record")
             return
+        if not peers.upstream(uid):
+            return
+        at = peers.when(when)
+        if at is None:
+            return
+        when = at
         model = self._model(uid, None)
         model.busy_until = max(when, model.busy_until) + prefill_s
         model.sent.append((when, prefill_s))
@@ -603,12 +617,18 @@ class PredictedTtftScorer:
                 held.cache.release(old[1])
         remote[serial] = (uid, placement)
         best = rest[0] if rest else 0  # the longest prefix any candidate held, for copy_demand
-        if self.copy_demand > 0 and isinstance(best, int) and 0 < best <= len(hashes):
+        if self.copy_demand > 0 and is_int(best) and 0 < best <= len(hashes):
             self._count_demand(hashes[best - 1], when)
         if len(remote) > MAX_TRACKED:
             uid0, placement0 = remote.pop(next(iter(remote)))
             if (m := self._models.get(uid0)) is not None:
                 m.cache.release(placement0)
+
+    def forget_upstream(self, upstream_id: str) -> None:
+        """framework.UpstreamMemory: its cache model, virtual queue and calibration go (pins other
+        replicas hold there are released into nothing when they end)."""
+        self._models.pop(upstream_id, None)
+        self.calibration.forget(upstream_id)
 
     def forget_origin(self, origin: str) -> None:
         """Release every block that replica's requests pinned: the blocks stay cached (evictable)."""
@@ -621,12 +641,20 @@ class PredictedTtftScorer:
         return {uid: pack_hashes(m.cache.held()) for uid, m in self._models.items()}
 
     def load(self, data: Any) -> None:
-        """Another replica's cache models, into the upstreams this one has learnt nothing about yet."""
+        """Another replica's cache models, into the upstreams this one has learnt nothing about yet
+        (checked as records are: known upstreams, packed hashes)."""
+        peers = self._peers
         if not isinstance(data, dict):
+            peers.reject("record")
+            return
+        if not peers.entries(len(data)):
             return
         for uid, blob in data.items():
             hashes = unpack_hashes(blob)
-            if not isinstance(uid, str) or not hashes:
+            if hashes is None:
+                peers.reject("record")
+                continue
+            if not peers.upstream(uid) or not hashes:
                 continue
             cache = self._model(uid, None).cache
             if cache.used_blocks:

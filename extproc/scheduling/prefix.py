@@ -22,7 +22,7 @@ from typing import Any
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.scheduling.framework import SCORERS, FleetState
-from extproc.scheduling.sharing import Outbox, pack_hashes, unpack_hashes
+from extproc.scheduling.sharing import RESET, Outbox, PeerChecks, pack_hashes, unpack_hashes
 
 
 def prefix_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
@@ -54,6 +54,7 @@ class PrefixAffinityScorer:
     _index: dict[str, OrderedDict[bytes, None]] = field(init=False, default_factory=dict)
     _last: tuple[InferenceRequest | None, list[bytes]] = field(init=False, default=(None, []))
     _outbox: Outbox = field(init=False, default_factory=Outbox)  # picks for the other replicas
+    _peers: PeerChecks = field(init=False, default_factory=PeerChecks)  # what their records must pass
 
     def _hashes(self, request: InferenceRequest) -> list[bytes]:
         """Hashed once per request: score() and on_pick() of the same decision share them."""
@@ -104,13 +105,25 @@ class PrefixAffinityScorer:
     def take_updates(self) -> list[Any]:
         return self._outbox.take()
 
+    def check_peers(self, checks: PeerChecks) -> None:
+        self._peers = checks
+
     def apply_updates(self, origin: str, updates: list[Any]) -> None:
-        """Another replica's picks: their prompts' blocks now sit at those upstreams too."""
+        """Another replica's picks: their prompts' blocks now sit at those upstreams too. Records
+        of another shape, or about upstreams this replica does not know, are skipped (counted)."""
+        peers = self._peers
         for record in updates:
-            if isinstance(record, list) and len(record) == 2 and isinstance(record[0], str):
-                hashes = unpack_hashes(record[1])
-                if hashes:
-                    self._remember(record[0], hashes[: self.max_blocks])
+            if record == [RESET]:  # nothing is held per replica: nothing to release
+                continue
+            hashes = unpack_hashes(record[1]) if isinstance(record, list) and len(record) == 2 else None
+            if hashes is None:
+                peers.reject("record")
+            elif peers.upstream(record[0]) and hashes:
+                self._remember(record[0], hashes[: self.max_blocks])
+
+    def forget_upstream(self, upstream_id: str) -> None:
+        """framework.UpstreamMemory: the blocks remembered there go."""
+        self._index.pop(upstream_id, None)
 
     def forget_origin(self, origin: str) -> None:
         """Nothing is held per replica: what it taught about the upstreams stays true."""
@@ -119,11 +132,18 @@ class PrefixAffinityScorer:
         return {uid: pack_hashes(list(held)) for uid, held in self._index.items()}
 
     def load(self, data: Any) -> None:
+        """Another replica's index, checked as its records are (known upstreams, packed hashes)."""
+        peers = self._peers
         if not isinstance(data, dict):
+            peers.reject("record")
+            return
+        if not peers.entries(len(data)):
             return
         for uid, blob in data.items():
             hashes = unpack_hashes(blob)
-            if isinstance(uid, str) and hashes:
+            if hashes is None:
+                peers.reject("record")
+            elif peers.upstream(uid) and hashes:
                 # Least recent first, as dumped; merged under what this replica learnt itself.
                 held = self._index.setdefault(uid, OrderedDict())
                 mine = list(held)

@@ -1,5 +1,6 @@
 """Small pieces the shared plugins (framework.SharedPlugin) have in common: a bounded outbox of
-update records and a compact encoding of block-hash lists.
+update records, a compact encoding of block-hash lists, and the checks another replica's records
+must pass before a plugin applies them (`PeerChecks`).
 
 Records are plain lists so msgpack carries them as they are; block hashes (8-byte blake2b digests,
 see tokenization.hashing and prefix.prefix_hashes) travel as one concatenated `bytes` per request.
@@ -7,12 +8,19 @@ see tokenization.hashing and prefix.prefix_hashes) travel as one concatenated `b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 HASH_BYTES = 8
 RESET = "r"  # record meaning "records before this were lost: release what I placed" (see Outbox)
 MAX_OUTBOX = 50_000  # records held while nobody takes them (a stalled sync loop)
+# Upstream ids taken from peers when the local pool is not known (PeerChecks.known is None): the
+# first this many well-formed ids, so a hostile peer cannot grow per-upstream state without bound.
+MAX_UPSTREAMS = 4096
+MAX_UPSTREAM_ID = 256  # characters, as snapshots' ids (fleet/snapshots.py MAX_ID_LEN)
+RECORD_MAX_AGE_S = 3600.0  # a peer's record stamped longer ago than this is not believed
 
 
 def pack_hashes(hashes: Sequence[bytes]) -> bytes:
@@ -55,3 +63,80 @@ class Outbox:
         records = self._records or []
         self._records = []
         return records
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    """An int as msgpack decodes one (a bool is not a count)."""
+    return type(value) is int
+
+
+@dataclass(slots=True)
+class PeerChecks:
+    """What another replica's records and dumps must satisfy before a shared plugin applies them.
+    server/sync.py binds one to every plugin (`PeerChecked`) and sets `now` and `known` before each
+    message; a plugin used without sync keeps this default: well-formed ids, finite times.
+
+    Plugins decode their own records and ask here; a check that fails counts the reason
+    (`on_reject`) and the record is skipped, never raised."""
+
+    now: float = math.nan
+    """The receiver's clock (the fleet clock: unix or virtual seconds); NaN: no time window."""
+    ahead_s: float = 0.0
+    """Clock skew tolerated: a record up to this far ahead is taken as stamped now, not later."""
+    max_age_s: float = RECORD_MAX_AGE_S
+    known: Collection[str] | None = None
+    """Upstream ids the local pool knows; None: any well-formed id, at most MAX_UPSTREAMS of them."""
+    on_reject: Callable[[str, int], None] | None = None
+    _taken: set[str] = field(default_factory=set)  # ids taken while `known` is None
+
+    def upstream(self, uid: Any) -> bool:
+        """Whether records about `uid` may be applied: an id this replica knows (others would grow
+        per-upstream state and metric series for upstreams it will never route to)."""
+        if not isinstance(uid, str):
+            self.reject("record")
+            return False
+        known = self.known
+        if known is not None:
+            if uid in known:
+                return True
+        elif uid in self._taken:
+            return True
+        elif 0 < len(uid) <= MAX_UPSTREAM_ID and uid.isprintable() and len(self._taken) < MAX_UPSTREAMS:
+            self._taken.add(uid)
+            return True
+        self.reject("unknown_upstream")
+        return False
+
+    def when(self, t: Any) -> float | None:
+        """A record's time, checked: finite and within [now - max_age_s, now + ahead_s], then no
+        later than now (a peer's clock a little ahead must not make an upstream look busy); None
+        when it is not believed (counted)."""
+        if not isinstance(t, int | float) or isinstance(t, bool) or not math.isfinite(t):
+            self.reject("time")
+            return None
+        now = self.now
+        if math.isnan(now):
+            return float(t)
+        if not now - self.max_age_s <= t <= now + self.ahead_s:
+            self.reject("time")
+            return None
+        return min(float(t), now)
+
+    def entries(self, n: int) -> bool:
+        """Whether a dump of `n` upstreams is plausible: no more than this replica knows."""
+        limit = len(self.known) if self.known is not None else MAX_UPSTREAMS
+        if n <= limit:
+            return True
+        self.reject("too_many")
+        return False
+
+    def reject(self, reason: str, n: int = 1) -> None:
+        if self.on_reject is not None and n:
+            self.on_reject(reason, n)
+
+
+@runtime_checkable
+class PeerChecked(Protocol):
+    """A shared plugin that checks peers' records against a PeerChecks (server/sync.py binds it)."""
+
+    def check_peers(self, checks: PeerChecks) -> None: ...

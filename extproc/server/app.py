@@ -27,10 +27,11 @@ from extproc.server.completions import AccessLogReceiver, PendingReleases
 from extproc.server.health import HealthStates
 from extproc.server.relay import ReleaseRelay
 from extproc.server.stream import ExternalProcessor
-from extproc.server.sync import ReplicaSync
-from extproc.settings import GIL_SWITCH_INTERVAL_S
-from extproc.telemetry import Metrics, MetricsServer
+from extproc.server.sync import ReplicaSync, pool_upstreams
+from extproc.settings import GIL_SWITCH_INTERVAL_S, TlsSettings
+from extproc.telemetry import Metrics, MetricsServer, supervision
 from extproc.telemetry.metrics import Page, Probe
+from extproc.telemetry.supervision import supervised
 
 log = logging.getLogger("extproc.server")
 
@@ -157,7 +158,9 @@ class _Probes:
     /healthz: the process is alive *and* its event loop turns (a beat within LOOP_STALL_S), so a
     wedged loop gets the pod restarted. /readyz: ready for new requests: serving, not shutting down,
     and the loop turning. Neither depends on Redis or the engines: without them the service still
-    routes (fallbacks), and a readiness tied to them would take every replica out at once."""
+    routes (fallbacks), and a readiness tied to them would take every replica out at once. A
+    background loop that keeps failing (telemetry/supervision.py) does fail readiness: the view it
+    keeps would freeze."""
 
     LOOP_STALL_S = 10.0
     BEAT_S = 1.0
@@ -167,7 +170,19 @@ class _Probes:
         self.last_beat = time.monotonic()
 
     def paths(self) -> dict[str, Probe]:
-        return {"/healthz": self.live, "/readyz": self.ready}
+        return {"/healthz": self.live, "/readyz": self.ready, "/serving": self.serving}
+
+    def serving(self) -> tuple[bool, str]:
+        """Ready and able to pick (every endpoint source has listed the pool, some endpoint is in
+        it): what gRPC health says for the ext_proc service name, over HTTP for a kubelet probe
+        when the gRPC port requires client certificates."""
+        ok, reason = self.ready()
+        if not ok:
+            return ok, reason
+        running = self.running
+        if running is None or not _can_pick(running.lifecycle.config, running.discovery):
+            return False, "not serving: no endpoint to pick yet"
+        return True, "serving"
 
     async def beat_forever(self) -> None:
         while True:
@@ -185,7 +200,10 @@ class _Probes:
         if not ok:
             return ok, reason
         phase = self.running.phase if self.running is not None else "starting"
-        return (True, "ready") if phase == "serving" else (False, f"not ready: {phase}")
+        if phase != "serving":
+            return False, f"not ready: {phase}"
+        failing = supervision.failing()  # e.g. the fleet view can no longer be kept fresh
+        return (False, "not ready: " + "; ".join(failing)) if failing else (True, "ready")
 
 
 ROLES = ("main", "bulk")
@@ -197,6 +215,54 @@ def replica_id(role: str) -> str:
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (known: {', '.join(ROLES)})")
     return ("bulk" if role == "bulk" else "") + os.urandom(4).hex()
+
+
+class _CertificateFiles:
+    """The TLS files, read again when one changes: gRPC asks at each new connection's handshake, so
+    a rotated Secret is used from the next connection on, with no restart."""
+
+    def __init__(self, tls: TlsSettings) -> None:
+        self.tls = tls
+        self._files = [p for p in (tls.cert_file, tls.key_file, tls.client_ca_file) if p is not None]
+        self._seen = self._stamps()
+
+    def _stamps(self) -> list[tuple[int, int]]:
+        stamps = []
+        for path in self._files:
+            try:
+                st = path.stat()
+                stamps.append((st.st_mtime_ns, st.st_size))
+            except OSError:
+                stamps.append((0, 0))
+        return stamps
+
+    def current(self) -> grpc.ServerCertificateConfiguration:
+        tls = self.tls
+        ca = tls.client_ca_file.read_bytes() if tls.client_ca_file is not None else None
+        pair = [(tls.key_file.read_bytes(), tls.cert_file.read_bytes())]
+        return grpc.ssl_server_certificate_configuration(pair, root_certificates=ca)
+
+    def changed(self) -> grpc.ServerCertificateConfiguration | None:
+        stamps = self._stamps()
+        if stamps == self._seen:
+            return None
+        try:
+            fresh = self.current()
+        except OSError as exc:  # mid-rotation: keep the current files, try at the next handshake
+            log.warning("TLS files changed but cannot be read yet: %s", exc)
+            return None
+        self._seen = stamps
+        log.info("TLS files changed: new connections use them")
+        return fresh
+
+
+def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
+    """TLS on the gRPC port; with a client CA, clients without a certificate it signed are refused
+    at the handshake (mTLS)."""
+    files = _CertificateFiles(tls)
+    return grpc.dynamic_ssl_server_credentials(
+        files.current(), files.changed, require_client_authentication=tls.client_ca_file is not None
+    )
 
 
 def _completions(
@@ -211,7 +277,8 @@ def _completions(
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(
         AccessLogReceiver(pending, config.headers.ticket, relay.forward if relay else None), server
     )
-    return pending, relay, asyncio.get_running_loop().create_task(pending.sweep_forever())
+    sweeper = asyncio.get_running_loop().create_task(supervised("lease-sweeper", pending.sweep_forever))
+    return pending, relay, sweeper
 
 
 def _pages(lifecycle: RequestLifecycle) -> dict[str, Page]:
@@ -238,6 +305,7 @@ def _sync(
         metrics,
         config.sync,
         config.fleet,
+        known_upstreams=pool_upstreams(config.pool, lifecycle.view),
     )
     sync.start()
     return sync
@@ -275,7 +343,10 @@ async def start(config: ServiceConfig, *, role: str = "main") -> RunningService:
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(lifecycle, pending), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(config.listen)
+    if config.tls is None:
+        port = server.add_insecure_port(config.listen)
+    else:
+        port = server.add_secure_port(config.listen, server_credentials(config.tls))
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
     await server.start()
@@ -289,10 +360,11 @@ async def start(config: ServiceConfig, *, role: str = "main") -> RunningService:
         else None
     )
     log.info(
-        "ext_proc %slistening on %s (port %d), metrics on %s, %d clusters, models: %s",
+        "ext_proc %slistening on %s (port %d, %s), metrics on %s, %d clusters, models: %s",
         "(bulk process: big bodies) " if role == "bulk" else "",
         config.listen,
         port,
+        "plaintext" if config.tls is None else "mTLS" if config.tls.client_ca_file else "TLS",
         config.metrics_listen or "off",
         len(config.pool.clusters),
         ", ".join(config.pool.models()) or "*",
@@ -316,7 +388,9 @@ async def start(config: ServiceConfig, *, role: str = "main") -> RunningService:
         ("", EXT_PROC_SERVICE),
     )
     await states.update()
-    running.health_updates = asyncio.get_running_loop().create_task(states.run_forever())
+    running.health_updates = asyncio.get_running_loop().create_task(
+        supervised("health-updates", states.run_forever)
+    )
     return running
 
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from extproc.fleet.redis_feed import cancel_until_done, follow_channel, redis_client, write_and_publish
 from extproc.server.completions import PendingReleases
 from extproc.settings import RedisSettings
+from extproc.telemetry.supervision import supervised
 
 log = logging.getLogger("extproc.relay")
 
@@ -43,7 +44,10 @@ class ReleaseRelay:
         return f"{self.settings.prefix}:done:{replica}"
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._receive_loop())]
+        self._tasks = [
+            asyncio.create_task(supervised("release-relay-send", self._send_loop)),
+            asyncio.create_task(supervised("release-relay-receive", self._receive_loop)),
+        ]
 
     async def stop(self) -> None:
         await cancel_until_done(self._tasks)

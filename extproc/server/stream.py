@@ -208,7 +208,7 @@ class RequestStream:
         cfg = self.lifecycle.config
         if self.pending is not None:
             self.ticket = self.pending.register(decision)
-        why = decision.explanation.header_value() if self.explain and decision.explanation else None
+        why = cfg.explain.header_for(decision.explanation) if self.explain and decision.explanation else None
         mutation = responses.routing_mutation(
             decision.upstream,
             cfg.headers,
@@ -300,7 +300,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         a thread-safe wake-up of the loop and a task per request. `request_iterator` is unused."""
         metadata: Metadata = context.invocation_metadata() or ()
         profile = self.lifecycle.profile(_profile_name(metadata))
-        route = route_admission(metadata)
+        route = route_admission(metadata, self.lifecycle.config.admission.client_max_priority)
         stream = RequestStream(self.lifecycle, profile, self.pending, route)
         streams = self.lifecycle.metrics.streams
         streams.inc()

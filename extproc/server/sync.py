@@ -7,8 +7,18 @@ When a replica routes or finishes a request it PUBLISHes at once (the leading ed
 once per `interval_s`, batching what came meanwhile, and every `heartbeat_s` when idle; one msgpack
 message on `<prefix>:sync`:
 
-    {"r": replica id, "s": sequence, "t": unix time, "c": {upstream: own in-flight count},
+    {"v": 1, "r": replica id, "s": sequence, "t": unix time, "c": {upstream: own in-flight count},
      "u": {"<profile>/<i>:<plugin>": [update records, in order]}}
+
+followed, when the replicas share a key (`sync.key_file` or $LLM_EXTPROC_SYNC_KEY), by 32 bytes of
+HMAC-SHA256 over the packed message (state dumps likewise, under another context string).
+
+What another replica wrote is checked before anything is applied, as snapshots are: a wrong version,
+signature, replica id, sequence or time (more than `expire_s` from this replica's clock: it would
+have expired anyway; hosts' clocks must agree that well) drops the whole message; a count for an
+upstream this replica does not know, or above MAX_COUNT, drops that entry; the plugins skip records
+they do not believe (`sharing.PeerChecks`: unknown upstreams, NaN or future times). Everything
+dropped is counted in `llm_extproc_sync_rejected_total{reason}` and logged once a minute per reason.
 
 Counts are full counts (a lost message costs nothing once the next arrives); update records are the
 shared plugins' picks and finishes (framework.SharedPlugin). A skipped sequence number means records
@@ -29,29 +39,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import hmac
 import logging
 import math
+import os
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any, TypeGuard
 
 import msgpack
+from redis.exceptions import ResponseError
 
 from extproc.config import SyncSettings
-from extproc.fleet import InFlight, RemoteInFlight
+from extproc.fleet import FleetView, InFlight, Pool, RemoteInFlight, RoutingMode
 from extproc.fleet.redis_feed import cancel_until_done, follow_channel, redis_client
 from extproc.scheduling import Profile, SharedPlugin
-from extproc.scheduling.sharing import RESET, unpack_hashes
-from extproc.settings import RedisSettings
+from extproc.scheduling.sharing import (
+    MAX_UPSTREAMS,
+    RESET,
+    PeerChecked,
+    PeerChecks,
+    is_int,
+    unpack_hashes,
+)
+from extproc.settings import ConfigError, RedisSettings
 from extproc.telemetry import Metrics
+from extproc.telemetry.supervision import supervised
 
 log = logging.getLogger("extproc.sync")
 
 RECONNECT_S = (0.1, 2.0)
 EXPIRE_TICK_S = 0.25
 MAX_STATE_BYTES = 32 * 1024 * 1024  # a dump larger than this is neither written nor read
+MAX_STATE_KEYS = 64  # other replicas' dumps looked at on a resync (one GET each, the freshest kept)
 DEFAULT_SYNC = SyncSettings()
-MAX_COUNT = 1_000_000  # an in-flight count above this is not believed (as snapshots' bad_load)
+SYNC_VERSION = 1  # "v" of messages and dumps; another version is dropped (counted "version")
+# An in-flight count per upstream and replica above this is not believed: Envoy holds every one as
+# an open stream, and an upstream is one engine or one cluster of them.
+MAX_COUNT = 100_000
+MAX_REPLICA_ID = 64  # characters
+MAX_SEQ = 1 << 63
+KEY_ENV = "LLM_EXTPROC_SYNC_KEY"
+MIN_KEY_BYTES = 16
+TAG_BYTES = 32  # HMAC-SHA256
+# Context strings under the HMAC: a signed state dump is not a valid message, nor the reverse.
+MESSAGE_CONTEXT = b"llm-extproc sync message\x00"
+STATE_CONTEXT = b"llm-extproc sync state\x00"
+KNOWN_REFRESH_S = 0.25  # the known upstream ids are re-read at most this often (wall clock)
+LOG_EVERY_S = 60.0  # a rejection reason is logged at most once per this (counted always)
 FINGERPRINT_K = 32  # hashes per plugin and upstream in an agreement sketch
 FINGERPRINT_BYTE = 32  # of 256: the share of held hashes the sketch samples from (1/8)
 FINGERPRINT_HASH_BYTES = 8  # a prefix of each hash is enough to compare
@@ -63,9 +99,75 @@ def shared_plugins(profiles: Mapping[str, Profile]) -> dict[str, SharedPlugin]:
     return {f"{name}/{key}": plugin for name, profile in profiles.items() for key, plugin in profile.shared}
 
 
+def pool_upstreams(pool: Pool, view: FleetView | None = None) -> Callable[[], frozenset[str]]:
+    """The upstream ids this replica can route to, for ReplicaSync's `known_upstreams`: the pool's
+    (configured and discovered endpoints) and, with a fleet view, those its snapshots name (endpoint
+    mode: `cluster/address`; snapshots of unknown clusters were rejected already)."""
+
+    def known() -> frozenset[str]:
+        ids = {u.id for u in pool.everything()}
+        if view is not None:
+            endpoint = pool.mode is RoutingMode.ENDPOINT
+            for inst in list(view.instances().values()):
+                if not endpoint:
+                    ids.add(inst.cluster)
+                elif inst.address is not None:
+                    ids.add(f"{inst.cluster}/{inst.address}")
+        return frozenset(ids)
+
+    return known
+
+
+def sync_key(settings: SyncSettings, env: Mapping[str, str] = os.environ) -> bytes | None:
+    """The replicas' shared HMAC key: the contents of `sync.key_file` (surrounding whitespace
+    stripped), else $LLM_EXTPROC_SYNC_KEY; None: messages are not signed. Never read from the YAML,
+    which is often less guarded than a mounted secret."""
+    if settings.key_file is not None:
+        where = f"config: 'sync'.key_file ({settings.key_file})"
+        try:
+            key = Path(settings.key_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    else:
+        raw = env.get(KEY_ENV, "")
+        if not raw:
+            return None
+        where, key = f"${KEY_ENV}", raw.strip().encode()
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"{where}: the sync key must be at least {MIN_KEY_BYTES} bytes")
+    return key
+
+
+def _tag(key: bytes, context: bytes, payload: bytes) -> bytes:
+    mac = hmac.new(key, context, "sha256")
+    mac.update(payload)
+    return mac.digest()
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    """A finite int or float as msgpack decodes them (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _replica_id(value: Any) -> TypeGuard[str]:
+    return isinstance(value, str) and 0 < len(value) <= MAX_REPLICA_ID and value.isprintable()
+
+
+class Rejected(Exception):
+    """A message or dump dropped whole, with the reason counted."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class ReplicaSync:
     """The message logic (`outgoing`, `incoming`, `expire`, `state`, `load_state`: plain methods, no
-    I/O, also driven by the discrete-event mode) and the Redis loops around it (`start`, `stop`)."""
+    I/O, also driven by the discrete-event mode) and the Redis loops around it (`start`, `stop`).
+
+    `known_upstreams` returns the upstream ids this replica can route to (`pool_upstreams`); peers'
+    counts and records about others are dropped. Without it any well-formed id is taken, at most
+    MAX_UPSTREAMS of them (sharing.PeerChecks)."""
 
     def __init__(
         self,
@@ -77,6 +179,7 @@ class ReplicaSync:
         settings: SyncSettings = DEFAULT_SYNC,
         redis: RedisSettings | None = None,
         clock: Callable[[], float] = time.time,
+        known_upstreams: Callable[[], Collection[str]] | None = None,
     ) -> None:
         self.replica = replica
         self.plugins = shared_plugins(profiles)
@@ -86,8 +189,10 @@ class ReplicaSync:
         self.settings = settings
         self.redis = redis
         self.clock = clock
+        self.known_upstreams = known_upstreams
+        self.key = sync_key(settings)
         self.seq = 0
-        self._seen_seq: dict[str, int] = {}
+        self._seen_seq: dict[str, tuple[int, float]] = {}  # origin: (last sequence, its time)
         self._last_counts: dict[str, int] | None = None
         self._budget = float(settings.max_updates_per_s)
         self._budget_at = clock()
@@ -98,8 +203,16 @@ class ReplicaSync:
         self.loaded_from: str | None = None  # the replica whose state this one started from
         # This replica's agreement sketch, from its last state(), and whether the next message sends it.
         self._fingerprint: dict[str, dict[str, list[bytes]]] = {}
+        self._sampled: set[tuple[str, str]] = set()  # (plugin, upstream) series of the index gauge
         self._send_fingerprint = False
+        # What peers' records are checked against (set before each message), shared by the plugins.
+        self.checks = PeerChecks(ahead_s=settings.expire_s, on_reject=self._reject)
+        self._known: Collection[str] | None = None
+        self._known_at = -math.inf
+        self._logged: dict[str, float] = {}  # reason: when it was last logged (monotonic)
         for plugin in self.plugins.values():
+            if isinstance(plugin, PeerChecked):
+                plugin.check_peers(self.checks)
             plugin.take_updates()  # the outboxes record from now on: the first pick is shared too
 
     # -- message logic -------------------------------------------------------------------------------
@@ -117,20 +230,40 @@ class ReplicaSync:
         self._limit(updates)
         now = self.clock()
         self.seq += 1
-        message: dict[str, Any] = {"r": self.replica, "s": self.seq, "t": now, "c": counts, "u": updates}
+        message: dict[str, Any] = {
+            "v": SYNC_VERSION,
+            "r": self.replica,
+            "s": self.seq,
+            "t": now,
+            "c": counts,
+            "u": updates,
+        }
         if self._send_fingerprint:
             self._send_fingerprint = False
             message["a"] = self._fingerprint
+        room = self.settings.max_message_bytes - (TAG_BYTES if self.key is not None else 0)
         data: bytes = msgpack.packb(message)
-        if len(data) > self.settings.max_message_bytes and "a" in message:
+        if len(data) > room and "a" in message:
             del message["a"]  # the sketch is the first thing to go (a big fleet): never the updates
             data = msgpack.packb(message)
-        if len(data) > self.settings.max_message_bytes:
+        if len(data) > room:
             self._dropped(sum(len(v) for v in updates.values()))
             message["u"] = {key: [[RESET]] for key in updates}
             data = msgpack.packb(message)
         self._last_counts = counts
-        return data
+        return self._sign(data, MESSAGE_CONTEXT)
+
+    def _sign(self, payload: bytes, context: bytes) -> bytes:
+        return payload if self.key is None else payload + _tag(self.key, context, payload)
+
+    def _open(self, data: bytes, context: bytes) -> bytes:
+        """The payload of what a peer wrote, its signature checked when there is a key."""
+        if self.key is None:
+            return data
+        payload, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+        if len(data) < TAG_BYTES or not hmac.compare_digest(tag, _tag(self.key, context, payload)):
+            raise Rejected("signature")
+        return payload
 
     def _limit(self, updates: dict[str, list[Any]]) -> None:
         """At most max_updates_per_s records per second (a token bucket); a plugin whose records
@@ -155,50 +288,105 @@ class ReplicaSync:
         if self.metrics is not None:
             self.metrics.sync_messages.labels(direction=direction).inc()
 
+    def _reject(self, reason: str, n: int = 1) -> None:
+        """Count what was dropped; log each reason at most once a minute (a hostile or misconfigured
+        peer must not flood the log)."""
+        if not n:
+            return
+        if self.metrics is not None:
+            self.metrics.sync_rejected.labels(reason=reason).inc(n)
+        now = time.monotonic()
+        if now - self._logged.get(reason, -math.inf) >= LOG_EVERY_S:
+            self._logged[reason] = now
+            log.warning(
+                "sync: dropped data from Redis (reason %s); further ones for %.0fs are only counted "
+                "in llm_extproc_sync_rejected_total",
+                reason,
+                LOG_EVERY_S,
+            )
+
+    def _known_ids(self) -> Collection[str] | None:
+        """The upstream ids this replica knows, re-read at most every KNOWN_REFRESH_S."""
+        if self.known_upstreams is None:
+            return None
+        now = time.monotonic()
+        if self._known is None or now - self._known_at >= KNOWN_REFRESH_S:
+            self._known, self._known_at = self.known_upstreams(), now
+        return self._known
+
     def incoming(self, data: object) -> bool:
-        """Apply another replica's message; False for our own, malformed or oversized ones."""
-        if not isinstance(data, bytes) or len(data) > self.settings.max_message_bytes:
-            self._count("rejected")
-            return False
+        """Apply another replica's message; False for our own and for one dropped whole (counted:
+        `direction="rejected"` and the reason). Never raises: the receive loop must go on."""
         try:
-            message = msgpack.unpackb(data, raw=False, strict_map_key=False)
+            return self._incoming(data)
+        except Rejected as exc:
+            self._count("rejected")
+            self._reject(exc.reason)
+        except Exception:  # a check missed (a bug): counted, and the loop goes on
+            log.debug("sync: message not applied", exc_info=True)
+            self._count("rejected")
+            self._reject("error")
+        return False
+
+    def _unpack(self, data: object, limit: int, context: bytes) -> dict[Any, Any]:
+        """A peer's msgpack map (message or dump), size, signature and version checked."""
+        if not isinstance(data, bytes):
+            raise Rejected("undecodable")
+        if len(data) > limit:
+            raise Rejected("size")
+        payload = self._open(data, context)
+        try:
+            value = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except Exception:
-            self._count("rejected")
-            return False
-        if not isinstance(message, dict):
-            self._count("rejected")
-            return False
+            raise Rejected("undecodable") from None
+        if not isinstance(value, dict):
+            raise Rejected("undecodable")
+        version = value.get("v")
+        if not is_int(version) or version != SYNC_VERSION:
+            raise Rejected("version")
+        return value
+
+    def _incoming(self, data: object) -> bool:
+        message = self._unpack(data, self.settings.max_message_bytes, MESSAGE_CONTEXT)
         origin, seq, sent_at = message.get("r"), message.get("s"), message.get("t")
         counts, updates = message.get("c"), message.get("u")
         if (
-            not isinstance(origin, str)
-            or not 0 < len(origin) <= 64
-            or not isinstance(seq, int)
+            not _replica_id(origin)
+            or not is_int(seq)
+            or not 0 <= seq < MAX_SEQ
             or not isinstance(sent_at, int | float)
+            or isinstance(sent_at, bool)
             or not isinstance(counts, dict)
             or not isinstance(updates, dict)
         ):
-            self._count("rejected")
-            return False
+            raise Rejected("malformed")
         if origin == self.replica:
             return False
+        now = self.clock()
+        if not math.isfinite(sent_at) or abs(sent_at - now) > self.settings.expire_s:
+            raise Rejected("time")  # would have expired by now, or from a clock far off
+        if not self.remote.admits(origin):
+            raise Rejected("origins")
         last = self._seen_seq.get(origin)
-        if last is not None and seq != last + 1:
+        if last is not None and seq <= last[0] and sent_at <= last[1]:
+            raise Rejected("replay")  # a restarted replica's sequence starts again, at a later time
+        checks = self.checks
+        checks.now, checks.known = now, self._known_ids()
+        own_counts = self._checked_counts(counts)
+        # Believed: from here on it is applied.
+        if last is not None and seq != last[0] + 1:
             # Lost messages (a failed publish, a reconnect): their finishes may be among them.
             self._count("gap")
             self._forget_pins(origin)
-        self._seen_seq[origin] = seq
-        self.remote.update(
-            origin,
-            {
-                u: n
-                for u, n in counts.items()
-                if isinstance(u, str) and isinstance(n, int) and 0 < n <= MAX_COUNT
-            },
-        )
+        self._seen_seq[origin] = (seq, float(sent_at))
+        self.remote.update(origin, own_counts)
         for key, records in updates.items():
             plugin = self.plugins.get(key) if isinstance(key, str) else None
-            if plugin is not None and isinstance(records, list):
+            if plugin is None:
+                self._reject("unknown_plugin")
+            elif not isinstance(records, list):
+                self._reject("record")
+            else:
                 plugin.apply_updates(origin, records)
         sketch = message.get("a")
         if isinstance(sketch, dict) and self._fingerprint and self.metrics is not None:
@@ -206,9 +394,26 @@ class ReplicaSync:
                 self.metrics.sync_agreement.labels(plugin=key).set(agreement)
         self._count("received")
         if self.metrics is not None:
-            self.metrics.sync_apply_lag.observe(max(0.0, self.clock() - sent_at))
+            self.metrics.sync_apply_lag.observe(max(0.0, now - sent_at))
             self.metrics.sync_replicas.set(len(self.remote.origins()))
         return True
+
+    def _checked_counts(self, counts: dict[Any, Any]) -> dict[str, int]:
+        """A peer's in-flight counts, entry by entry: known upstreams, ints in [0, MAX_COUNT]; more
+        entries than this replica knows upstreams drop the message."""
+        checks = self.checks
+        limit = len(checks.known) if checks.known is not None else MAX_UPSTREAMS
+        if len(counts) > limit:
+            raise Rejected("too_many")
+        out: dict[str, int] = {}
+        bad = 0
+        for uid, n in counts.items():
+            if not is_int(n) or not 0 <= n <= MAX_COUNT:
+                bad += 1
+            elif checks.upstream(uid) and n:
+                out[uid] = n
+        self._reject("count", bad)
+        return out
 
     def _forget_pins(self, origin: str) -> None:
         for plugin in self.plugins.values():
@@ -233,23 +438,47 @@ class ReplicaSync:
         dumps = {key: plugin.dump() for key, plugin in self.plugins.items()}
         self._fingerprint = {key: fingerprint(dump) for key, dump in dumps.items()}
         self._send_fingerprint = True
-        return bytes(msgpack.packb({"r": self.replica, "t": self.clock(), "p": dumps}))
+        payload = msgpack.packb({"v": SYNC_VERSION, "r": self.replica, "t": self.clock(), "p": dumps})
+        return self._sign(bytes(payload), STATE_CONTEXT)
+
+    @property
+    def state_age_s(self) -> float:
+        """How old a dump may be: written every state_interval_s, kept 3 intervals, plus clock skew."""
+        return 3 * self.settings.state_interval_s + self.settings.expire_s
+
+    def _checked_state(self, data: object) -> dict[Any, Any]:
+        """Another replica's dump, checked as messages are (size, signature, version, replica id,
+        time within state_age_s before now and expire_s after)."""
+        state = self._unpack(data, MAX_STATE_BYTES, STATE_CONTEXT)
+        origin, t, dumps = state.get("r"), state.get("t"), state.get("p")
+        if not _replica_id(origin) or not isinstance(dumps, dict) or not _number(t):
+            raise Rejected("malformed")
+        now = self.clock()
+        if not now - self.state_age_s <= t <= now + self.settings.expire_s:
+            raise Rejected("time")
+        return state
 
     def load_state(self, data: object) -> bool:
-        if not isinstance(data, bytes) or len(data) > MAX_STATE_BYTES:
-            return False
+        """Merge another replica's dump (a late start, a reconnect); False when it is dropped
+        (counted). Its plugins' parts are checked as their records are."""
         try:
-            state = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        except Exception:
+            state = self._checked_state(data)
+            checks = self.checks
+            checks.now, checks.known = self.clock(), self._known_ids()
+            for key, dump in state["p"].items():
+                plugin = self.plugins.get(key) if isinstance(key, str) else None
+                if plugin is None:
+                    self._reject("unknown_plugin")
+                else:
+                    plugin.load(dump)
+        except Rejected as exc:
+            self._reject(exc.reason)
             return False
-        if not isinstance(state, dict) or not isinstance(state.get("p"), dict):
+        except Exception:  # a check missed (a bug): counted, never raised into the resync
+            log.debug("sync: state not loaded", exc_info=True)
+            self._reject("error")
             return False
-        for key, dump in state["p"].items():
-            plugin = self.plugins.get(key) if isinstance(key, str) else None
-            if plugin is not None:
-                plugin.load(dump)
-        origin = state.get("r")
-        self.loaded_from = origin if isinstance(origin, str) else "?"
+        self.loaded_from = state["r"]
         return True
 
     def sample(self) -> None:
@@ -257,9 +486,15 @@ class ReplicaSync:
         if self.metrics is None:
             return
         gauge = self.metrics.sync_index_blocks
+        sampled: set[tuple[str, str]] = set()
         for key, plugin in self.plugins.items():
             for uid, n in plugin.index_sizes().items():
                 gauge.labels(plugin=key, upstream=uid).set(n)
+                sampled.add((key, uid))
+        for key, uid in self._sampled - sampled:  # upstreams gone: no series left behind
+            with contextlib.suppress(KeyError):
+                gauge.remove(key, uid)
+        self._sampled = sampled
 
     # -- Redis ---------------------------------------------------------------------------------------
     @property
@@ -277,9 +512,9 @@ class ReplicaSync:
         self._stopping = False
         self.inflight.watch(self._wake.set)
         self._tasks = [
-            asyncio.create_task(self._publish_loop(), name="sync-publish"),
-            asyncio.create_task(self._receive_loop(), name="sync-receive"),
-            asyncio.create_task(self._expire_loop(), name="sync-expire"),
+            asyncio.create_task(supervised("sync-publish", self._publish_loop), name="sync-publish"),
+            asyncio.create_task(supervised("sync-receive", self._receive_loop), name="sync-receive"),
+            asyncio.create_task(supervised("sync-expire", self._expire_loop), name="sync-expire"),
         ]
 
     async def stop(self) -> None:
@@ -361,22 +596,36 @@ class ReplicaSync:
         )
 
     async def _resync(self, client: Any) -> None:
-        """Load the freshest state another replica wrote (a late start, or after a reconnect)."""
-        keys = [k async for k in client.scan_iter(match=self.state_key("*"), count=100)]
+        """Load the freshest state another replica wrote (a late start, or after a reconnect): each
+        candidate checked whole (a forged dump stamped in the future, or NaN, must not win), looked
+        at one by one (at most MAX_STATE_KEYS, each at most MAX_STATE_BYTES: two held at a time)."""
         mine = self.state_key(self.replica).encode()
-        keys = [k for k in keys if k != mine]
-        if not keys:
-            return
+        keys: list[bytes] = []
+        async with contextlib.aclosing(client.scan_iter(match=self.state_key("*"), count=100)) as found:
+            async for k in found:
+                if k != mine:
+                    keys.append(k)
+                if len(keys) >= MAX_STATE_KEYS:
+                    break
         best: tuple[float, bytes] | None = None
-        for value in await client.mget(keys):
-            if not isinstance(value, bytes) or len(value) > MAX_STATE_BYTES:
+        for key in keys:
+            try:  # a key of another type answers WRONGTYPE: skipped, the resync goes on
+                if await client.strlen(key) > MAX_STATE_BYTES:
+                    self._reject("size")
+                    continue
+                value = await client.get(key)
+            except ResponseError:
+                self._reject("undecodable")
+                continue
+            if value is None:  # expired meanwhile
                 continue
             try:
-                t = msgpack.unpackb(value, raw=False, strict_map_key=False).get("t")
-            except Exception:
+                t = float(self._checked_state(value)["t"])
+            except Rejected as exc:
+                self._reject(exc.reason)
                 continue
-            if isinstance(t, int | float) and (best is None or t > best[0]):
-                best = (float(t), value)
+            if best is None or t > best[0]:
+                best = (t, value)
         if best is not None and self.load_state(best[1]):
             log.info("sync: loaded the shared state of replica %s", self.loaded_from)
 
@@ -401,13 +650,13 @@ def agreements(mine: Mapping[str, Mapping[str, list[bytes]]], theirs: Mapping[An
     out: dict[str, float] = {}
     for key, own in mine.items():
         other = theirs.get(key)
-        if not isinstance(other, dict):
-            continue
+        if not isinstance(other, dict) or len(other) > MAX_FINGERPRINT_UPSTREAMS:
+            continue  # (bounded: the work per message stays that of a real sketch)
         scores = []
         for uid in own.keys() | {u for u in other if isinstance(u, str)}:
             a = set(own.get(uid, ()))
             raw = other.get(uid, ())
-            b = {h for h in raw if isinstance(h, bytes)} if isinstance(raw, list) else set()
+            b = {h for h in raw[:FINGERPRINT_K] if isinstance(h, bytes)} if isinstance(raw, list) else set()
             union = heapq.nsmallest(FINGERPRINT_K, a | b)
             if union:
                 scores.append(sum(1 for h in union if h in a and h in b) / len(union))

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from extproc.telemetry import supervision
 
 # A probe answers (ok, reason): /healthz and /readyz reply 200 or 503 with the reason as text.
 Probe = Callable[[], tuple[bool, str]]
@@ -17,6 +23,18 @@ Probe = Callable[[], tuple[bool, str]]
 Page = Callable[[], tuple[int, str, bytes]]
 
 UNKNOWN_MODEL = "unknown"
+
+# The metrics port's HTTP server (MetricsServer): one thread per connection, but at most
+# MAX_CONNECTIONS of them; a client silent for SOCKET_TIMEOUT_S (a read or a write) or connected
+# longer than CONNECTION_DEADLINE_S (one that trickles a byte at a time) is dropped. When every slot
+# is taken, a new connection evicts the oldest one still sending its request head, so clients that
+# open connections and send half a request cannot keep scrapes and probes out.
+MAX_CONNECTIONS = 32
+SOCKET_TIMEOUT_S = 5.0
+CONNECTION_DEADLINE_S = 30.0
+_SLOT_WAIT_S = 0.25  # how long a new connection waits for an evicted one's slot before it is refused
+
+log = logging.getLogger("extproc.metrics")
 
 # Scheduling plugins' own figures (scheduling.framework.Reporting), read at scrape time: figure name ->
 # (metric name, kind, help). Labels: the profile and the upstream.
@@ -74,6 +92,24 @@ class _PluginFigures:
         return iter(())
 
 
+class _LoopFailures:
+    """Failures of the supervised background loops running now (telemetry/supervision.py)."""
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "llm_extproc_background_loop_failures",
+            "Times each supervised background loop raised and was started again (the loops running "
+            "now; one failing 5 times in a row without a 30 s run fails /readyz).",
+            labels=["loop"],
+        )
+        for state in supervision.loops():
+            family.add_metric([state.name], state.total_failures)
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
 # Decision latency is tens of microseconds to a few milliseconds; buckets cover both ends.
 _PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
 _QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 5.0)
@@ -102,6 +138,7 @@ class Children:
 class Metrics:
     def __init__(self, known_models: Iterable[str], clusters: Iterable[str]) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_LoopFailures())
         self._known_models = frozenset(known_models)
         self.requests = Counter(
             "llm_extproc_requests",
@@ -236,6 +273,15 @@ class Metrics:
             "failed: not published, Redis unreachable; rejected: malformed or oversized; gap: a "
             "replica's sequence skipped, what it had pinned here was released).",
             ["direction"],
+            registry=self.registry,
+        )
+        self.sync_rejected = Counter(
+            "llm_extproc_sync_rejected",
+            "Replica sync data dropped before it was applied, by reason: whole messages or state "
+            "dumps (size, undecodable, signature, version, malformed, time, replay, origins, "
+            "too_many, error) and single entries or records (unknown_upstream, count, record, time, "
+            "unknown_plugin).",
+            ["reason"],
             registry=self.registry,
         )
         self.sync_updates_dropped = Counter(
@@ -381,33 +427,171 @@ def _build() -> tuple[str, str, str]:
     return version("llm-extproc"), platform.python_version(), version("grpcio")
 
 
+class _Connection:
+    __slots__ = ("deadline", "dropped", "reading", "started")
+
+    def __init__(self, started: float, deadline: float) -> None:
+        self.started = started
+        self.deadline = deadline
+        self.reading = True  # still sending its request line and headers
+        self.dropped = False  # hung up on by the server: whatever head it sent is not served
+
+
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, bounded (see MAX_CONNECTIONS above); serve_forever's thread accepts,
+    evicts and enforces the deadlines (service_actions, every poll interval)."""
+
     daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128  # the listen backlog: connections wait there while a slot frees
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[WSGIRequestHandler],
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        deadline_s: float = CONNECTION_DEADLINE_S,
+    ) -> None:
+        if max_connections < 1 or not socket_timeout_s > 0 or not deadline_s > 0:
+            raise ValueError("max_connections >= 1, socket_timeout_s > 0 and deadline_s > 0 are required")
+        self.socket_timeout_s = socket_timeout_s
+        self.deadline_s = deadline_s
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._open: dict[socket.socket, _Connection] = {}
+        self._lock = threading.Lock()
+        self.refused = 0  # connections closed unserved: every slot busy with a request under way
+        self.evicted = 0  # connections dropped for a newer one while still sending their head
+        self.expired = 0  # connections dropped at their deadline
+        super().__init__(address, handler)
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False) and (
+            not self._evict_one() or not self._slots.acquire(timeout=_SLOT_WAIT_S)
+        ):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._open[request] = _Connection(now, now + self.deadline_s)
+        try:
+            request.settimeout(self.socket_timeout_s)
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._done(request)
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._done(request)
+
+    def _done(self, request: Any) -> None:
+        with self._lock:
+            held = self._open.pop(request, None) is not None
+        if held:
+            self._slots.release()
+
+    def head_read(self, request: Any) -> bool:
+        """The handler read the request head: from here on the connection is doing real work. False
+        when the server hung up on it meanwhile (the head is cut short: nothing to serve)."""
+        with self._lock:
+            conn = self._open.get(request)
+            if conn is None or conn.dropped:
+                return False
+            conn.reading = False
+            return True
+
+    def _evict_one(self) -> bool:
+        """Drop the connection that has been sending its request head the longest (its thread sees
+        the end of the stream and exits, freeing its slot); False when every one is past its head."""
+        with self._lock:
+            reading = [(c.started, sock, c) for sock, c in self._open.items() if c.reading and not c.dropped]
+            if not reading:
+                return False
+            _, sock, conn = min(reading, key=lambda item: item[0])
+            conn.dropped = True
+        self.evicted += 1
+        _hang_up(sock)
+        return True
+
+    def service_actions(self) -> None:
+        """serve_forever calls this every poll interval: connections past their deadline are dropped."""
+        now = time.monotonic()
+        with self._lock:
+            late = [(sock, c) for sock, c in self._open.items() if c.deadline < now and not c.dropped]
+            for _, conn in late:
+                conn.dropped = True
+        for sock, _ in late:
+            self.expired += 1
+            _hang_up(sock)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out, was dropped or went away: not worth a traceback on stderr."""
+        log.debug("metrics port: connection from %s ended with an error", client_address, exc_info=True)
+
+
+def _hang_up(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # scrapes and probes are not news
         pass
 
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        server = self.server
+        if isinstance(server, _ThreadingServer) and not server.head_read(self.connection):
+            return False  # dropped while sending it: not served
+        return ok
+
+
+class HasRegistry(Protocol):
+    """What MetricsServer serves: the service's Metrics, or the publisher's (anything with a registry)."""
+
+    @property
+    def registry(self) -> CollectorRegistry: ...
+
 
 class MetricsServer:
     """/metrics, plus /healthz (liveness) and /readyz (readiness) when probes are given, on its own
-    thread, off the event loop; a probe reads state the event loop keeps (no locks needed)."""
+    thread, off the event loop; a probe reads state the event loop keeps (no locks needed). At most
+    `max_connections` handler threads; slow or silent clients are dropped (MAX_CONNECTIONS above)."""
 
     def __init__(
         self,
-        metrics: Metrics,
+        metrics: HasRegistry,
         listen: str,
         probes: Mapping[str, Probe] | None = None,
         pages: Mapping[str, Page] | None = None,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        socket_timeout_s: float = SOCKET_TIMEOUT_S,
+        deadline_s: float = CONNECTION_DEADLINE_S,
     ) -> None:
         host, _, port = listen.rpartition(":")
         self._metrics_app = make_wsgi_app(metrics.registry)
         self._probes = dict(probes or {})
         self._pages = dict(pages or {})
-        self._server: WSGIServer = make_server(
-            host.strip("[]"), int(port), self._app, _ThreadingServer, handler_class=_QuietHandler
+        self._server = _ThreadingServer(
+            (host.strip("[]"), int(port)),
+            _QuietHandler,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            deadline_s=deadline_s,
         )
+        self._server.set_app(self._app)
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
         self._thread.start()
 
@@ -442,6 +626,11 @@ class MetricsServer:
     @property
     def port(self) -> int:
         return self._server.server_address[1]
+
+    @property
+    def server(self) -> _ThreadingServer:
+        """The HTTP server (its counters: `refused`, `evicted`, `expired`; `open_connections()`)."""
+        return self._server
 
     def close(self) -> None:
         self._server.shutdown()

@@ -71,13 +71,20 @@ def min_tokens(text: str, max_token_bytes: int) -> int:
     return -(-size // max_token_bytes)
 
 
+# What a chat template writes around each message (role markers, separators), in characters: so
+# that many short messages count as the work they are to render, not as their few characters.
+MESSAGE_OVERHEAD_CHARS = 64
+
+
 def _input_chars(inputs: PromptInputs) -> int:
-    """Characters of prompt text the inputs carry (message contents, text parts), without rendering."""
+    """Characters of prompt text the inputs carry (message contents, text parts, and each message's
+    share of the template), without rendering."""
     prompt = inputs.get("prompt")
     if prompt is not None:
         return len(prompt)
-    total = 0
-    for message in inputs.get("messages") or ():
+    messages = inputs.get("messages") or ()
+    total = MESSAGE_OVERHEAD_CHARS * len(messages)
+    for message in messages:
         content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, str):
             total += len(content)

@@ -4,9 +4,11 @@ Real Envoy (the shipped envoy.yaml, BUFFERED) in front of `llm-extproc serve` an
 all on loopback. Small chat requests are sent at a fixed rate (open loop: a slow answer never delays
 the next request) first alone, then while `bodies` clients each send big bodies back to back: a chat
 whose content is a ~15 MB legal text, or one with a ~15 MB base64 image part (also legal; its prompt
-text is tiny). Reported per phase: the small requests' latency (p50/p99/max) and errors, the ext_proc
-time Envoy's access log gives for them, the big bodies' statuses (504 = Envoy's 2 s ext_proc message
-timeout), and the service's RSS (itself and its body workers) before, at peak and after the storm.
+text is tiny), or (hostile) ~500k one-character messages sent chunked, which the service refuses
+(400 `too_many_messages`). Reported per phase: the small requests' latency (p50/p99/max) and
+errors, the ext_proc time Envoy's access log gives for them, the big bodies' statuses (504 =
+Envoy's 2 s ext_proc message timeout), and the service's RSS (itself and its body workers) before,
+at peak and after the storm.
 
 Isolation, so the figures are the gateway's: big and small requests go to different engines (a big
 body's 15 MB JSON parse on the engine would otherwise delay the small requests there), and the load
@@ -46,7 +48,7 @@ from extproc.lab.stack.processes import find_envoy, free_port, wait_port
 SMALL_MODEL = "sim-llama"
 BIG_MODEL = "legal-docs"
 LAYOUTS = ("single", "bulk")
-KINDS = ("text", "image")
+KINDS = ("text", "image", "messages")
 NICE = 10
 _WORDS = 5000
 
@@ -79,6 +81,8 @@ def big_body(kind: str, size: int, seed: int = 0) -> bytes:
                 ],
             }
         ]
+    elif kind == "messages":  # hostile: ~29 bytes per one-character message (sent chunked)
+        messages = [{"role": "user", "content": "x"}] * max(1, (size - 100) // 29)
     else:
         raise ValueError(f"unknown body kind {kind!r}; known: {', '.join(KINDS)}")
     return orjson.dumps({"model": BIG_MODEL, "max_tokens": 1, "messages": messages})
@@ -98,10 +102,15 @@ def _send_big(
         os.nice(NICE)
     body = big_body(kind, size)
 
+    async def chunks() -> Any:  # no content-length: Envoy sends it to the main process, whatever its size
+        for at in range(0, len(body), 1 << 20):
+            yield body[at : at + (1 << 20)]
+
     async def loop(session: aiohttp.ClientSession) -> None:
         while not stop.is_set():
+            data: Any = chunks() if kind == "messages" else body
             try:
-                async with session.post(url, data=body, headers={"content-type": "application/json"}) as r:
+                async with session.post(url, data=data, headers={"content-type": "application/json"}) as r:
                     await r.read()
                     status = r.status
             except (aiohttp.ClientError, TimeoutError):

@@ -122,9 +122,7 @@ def decision_latency(
         from extproc.fleet.kv_index import KvIndex, encode_full
         from extproc.tokenization import block_hashes
 
-        probe = lifecycle.route(head, body)
-        lifecycle.finish(probe, "response_end")
-        ids = probe.request.prompt_token_ids
+        ids = lifecycle.prepare(head, body).prompt_token_ids  # parsed and tokenized, not routed
         if not ids:
             raise RuntimeError("the bench's tokenizer gave no token ids")
         hashes = block_hashes(ids, 64)

@@ -27,7 +27,13 @@ PEERS = ("round-robin", "least-request", "sglang-cache-aware", "vllm-router-cach
 # there is under 0.15 s. The engines take every request into their batch at once (chunked prefill),
 # so their waiting count stays near 0 however late first tokens come: the predicted prefill backlog
 # is the signal that moves. Standard requests wait in the queue <= 1.5 s.
-BENCH_ADMISSION: dict[str, Any] = {"enabled": True, "max_predicted_wait_s": 0.15, "max_wait_s": 1.5}
+# The bench's clients are trusted callers: their own x-llm-priority may ask for critical.
+BENCH_ADMISSION: dict[str, Any] = {
+    "enabled": True,
+    "max_predicted_wait_s": 0.15,
+    "max_wait_s": 1.5,
+    "client_max_priority": "critical",
+}
 TPOT_GATE_ROW = "llm-extproc (+ TPOT gate)"
 # The TPOT gate row on engines that run vLLM's priority policy, each request's class written into its
 # body (`engine_priority: {}`); every other row's engines run FCFS (the peers set no priority).
