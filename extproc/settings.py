@@ -114,18 +114,6 @@ DEFAULT_PROFILE: dict[str, Any] = {
     "scorers": [{"name": "predicted-ttft", "weight": 1.0}, {"name": "decode-speed", "weight": 0.6}],
     "picker": "max-score",
 }
-# The profile before predicted-ttft (text-block prefix affinity, bounded by queue length, plus load
-# scorers and the KV-usage cut-off), kept to compare against and for profiles that want it.
-AFFINITY_V1_PROFILE: dict[str, Any] = {
-    "filters": ["saturation"],
-    "scorers": [
-        {"name": "prefix-affinity", "weight": 3.0},
-        {"name": "queue-depth", "weight": 1.0},
-        {"name": "kv-cache-usage", "weight": 0.5},
-        {"name": "least-outstanding", "weight": 0.5},
-    ],
-    "picker": "max-score",
-}
 # Used for a model whose snapshots are all stale (or absent while a fleet view is configured).
 FALLBACK_PROFILE: dict[str, Any] = {"picker": "weighted-round-robin"}
 

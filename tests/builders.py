@@ -11,6 +11,18 @@ from extproc.fleet import snapshot_pb2 as spb
 from extproc.openai import Api, InferenceRequest
 
 NOW = 1_700_000_000.0
+# A profile of text-block prefix affinity bounded by queue length, plus load scorers and the KV-usage
+# cut-off: these plugins, combined as a user might, for the tests of their interplay.
+AFFINITY_PROFILE: dict[str, Any] = {
+    "filters": ["saturation"],
+    "scorers": [
+        {"name": "prefix-affinity", "weight": 3.0},
+        {"name": "queue-depth", "weight": 1.0},
+        {"name": "kv-cache-usage", "weight": 0.5},
+        {"name": "least-outstanding", "weight": 0.5},
+    ],
+    "picker": "max-score",
+}
 
 
 def chat_request(

@@ -138,6 +138,7 @@ def one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> N
         assert needle in lines[0], lines[0]
 
 
+@pytest.mark.integration
 def test_busy_ports_are_one_line_errors(busy_port: int, config: str) -> None:
     address = f"127.0.0.1:{busy_port}"
     one_line_error(run_cli("serve", "--config", config, "--listen", address), "--listen", "already in use")
@@ -162,6 +163,7 @@ def test_busy_ports_are_one_line_errors(busy_port: int, config: str) -> None:
     )
 
 
+@pytest.mark.integration
 def test_bad_addresses_are_one_line_errors(config: str) -> None:
     # 192.0.2.1 is TEST-NET-1: never an address of this machine.
     one_line_error(
@@ -173,6 +175,7 @@ def test_bad_addresses_are_one_line_errors(config: str) -> None:
     one_line_error(run_cli("serve", "--config", config, "--listen", "127.0.0.1:99999"), "port")
 
 
+@pytest.mark.integration
 def test_serve_logs_json_after_the_subcommand(config: str) -> None:
     proc = subprocess.Popen(
         [
@@ -205,6 +208,7 @@ def test_serve_logs_json_after_the_subcommand(config: str) -> None:
         proc.wait(20)
 
 
+@pytest.mark.integration
 def test_publish_says_what_it_does_and_logs_discovery_errors() -> None:
     """Not minutes of silence: the plan at start, then each failed discovery with the admin URL."""
     with socket.socket() as s:

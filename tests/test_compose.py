@@ -164,6 +164,7 @@ def test_metrics_and_admin_published_on_loopback() -> None:
     assert "9103/metrics" in " ".join(s["publisher"]["healthcheck"]["test"])
 
 
+@pytest.mark.integration
 def test_envoy_accepts_the_admin_overlay() -> None:
     cmd = services()["envoy"]["command"]
     result = subprocess.run(

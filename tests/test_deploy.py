@@ -890,6 +890,7 @@ def eg_bootstrap(eep: dict[str, Any], patch_policy: dict[str, Any]) -> dict[str,
     }
 
 
+@pytest.mark.integration
 def test_istio_envoyfilter_is_valid_envoy_config(tmp_path: Path) -> None:
     boot = istio_bootstrap(
         one("istio", "EnvoyFilter", "llm-extproc"), one("istio", "DestinationRule", "llm-extproc")
@@ -899,6 +900,7 @@ def test_istio_envoyfilter_is_valid_envoy_config(tmp_path: Path) -> None:
     assert "OK" in out.stdout
 
 
+@pytest.mark.integration
 def test_envoy_gateway_policies_are_valid_envoy_config(tmp_path: Path) -> None:
     boot = eg_bootstrap(
         one("envoy-gateway", "EnvoyExtensionPolicy"), one("envoy-gateway", "EnvoyPatchPolicy")
@@ -908,6 +910,7 @@ def test_envoy_gateway_policies_are_valid_envoy_config(tmp_path: Path) -> None:
     assert "OK" in out.stdout
 
 
+@pytest.mark.integration
 def test_envoy_validation_rejects_a_broken_patch(tmp_path: Path) -> None:
     ef = copy.deepcopy(one("istio", "EnvoyFilter", "llm-extproc"))
     ef["spec"]["configPatches"][0]["patch"]["value"]["typed_config"]["processing_mode"][

@@ -232,6 +232,7 @@ async def test_redis_outage_and_recovery(redis_server: RedisProcess, harness: Ha
     assert harness.sample("llm_extproc_redis_reconnects_total") >= 1
 
 
+@pytest.mark.integration
 async def test_password_protected_redis(tmp_path: Path) -> None:
     server = RedisProcess(tmp_path / "redis-auth.log", password="s3cret").start()
     try:

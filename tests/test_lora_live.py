@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from extproc.lab.engines import SimEngine
 from extproc.publishers.engines import normalize
@@ -50,6 +51,7 @@ async def test_adapters_share_the_slots_and_are_published_as_vllm_does() -> None
         await engine.stop()
 
 
+@pytest.mark.integration
 async def test_lora_affinity_lands_where_the_adapter_is_loaded_live(tmp_path: Path) -> None:
     """The issue's LoRA target, live and short: 10 adapters, 6 engines of 4 slots; the recommended
     profile against load balancing alone on the same request stream."""

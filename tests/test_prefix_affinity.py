@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from builders import AFFINITY_PROFILE
+
 from extproc.config import config_from_dict
 from extproc.fleet import InFlight, SchedulingState, Upstream
 from extproc.lifecycle import RequestLifecycle
@@ -11,7 +13,6 @@ from extproc.openai import Api, InferenceRequest
 from extproc.openai.parse import parse_head
 from extproc.scheduling import plugin_name, profile_from_config
 from extproc.scheduling.prefix import PrefixAffinityScorer, prefix_hashes
-from extproc.settings import AFFINITY_V1_PROFILE
 from extproc.telemetry import Metrics
 
 SYSTEM_A = "Tenant A system prompt. " * 100
@@ -75,13 +76,13 @@ def test_index_is_lru_bounded() -> None:
 
 
 def test_tenants_stick_and_a_hot_prefix_spills() -> None:
-    """Through the real lifecycle and the text-affinity profile: each tenant sticks to one upstream while load
+    """Through the real lifecycle and a text-affinity profile: each tenant sticks to one upstream while load
     is even; one shared prompt under a growing burst spreads instead of collapsing onto one."""
     cfg = config_from_dict(
         {
             "pool": {"clusters": [{"name": f"c{i}", "models": ["m"]} for i in range(4)]},
             "metrics_listen": None,
-            "scheduling": {"profiles": {"default": AFFINITY_V1_PROFILE}},
+            "scheduling": {"profiles": {"default": AFFINITY_PROFILE}},
         }
     )
     assert plugin_name(cfg.profile.scorers[0][0]) == "prefix-affinity"
@@ -116,5 +117,5 @@ def test_tenants_stick_and_a_hot_prefix_spills() -> None:
     assert len(spread) >= 3 and max(spread.values()) <= 20, spread
 
 
-def test_affinity_v1_profile_builds() -> None:
-    assert profile_from_config("d", AFFINITY_V1_PROFILE).scorers[0][1] == 3.0
+def test_affinity_profile_builds() -> None:
+    assert profile_from_config("d", AFFINITY_PROFILE).scorers[0][1] == 3.0

@@ -301,6 +301,7 @@ async def test_cluster_master_killed_under_load(
 
 
 # -- the access-log relay across an outage ---------------------------------------------------------------
+@pytest.mark.integration
 async def test_relay_holds_tickets_until_redis_and_the_owner_are_back(tmp_path: Path) -> None:
     """A ticket relayed while Redis is down, or while its owner is not subscribed yet (a failover's
     reconnect), is delivered once both are back instead of leaking the owner's lease."""

@@ -84,6 +84,7 @@ def test_announce_setting_is_validated() -> None:
             config_from_dict({"pool": POOL, "shutdown_announce_s": bad})
 
 
+@pytest.mark.integration
 def test_check_config_rejects_a_bad_announce(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("shutdown_announce_s: -2\npool: {clusters: [{name: a, models: [m]}]}\n")

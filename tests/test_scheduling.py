@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from builders import chat_request
+from builders import AFFINITY_PROFILE, chat_request
 
 from extproc.fleet import InFlight, Lease, SchedulingState, Upstream
 from extproc.openai import InferenceRequest
@@ -38,7 +38,7 @@ from extproc.scheduling.plugins import (
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.scheduling.prefix import PrefixAffinityScorer
 from extproc.scheduling.slo import SloTpotFilter, SloTtftFilter
-from extproc.settings import AFFINITY_V1_PROFILE, DEFAULT_PROFILE
+from extproc.settings import DEFAULT_PROFILE
 
 
 def ups(n: int, weight: float = 1.0, prefix: str = "u") -> list[Upstream]:
@@ -566,8 +566,8 @@ class TestProfileFromConfig:
         # the guard first (docs/tuning.md, "The floor"), then no-ops for requests without objectives
         assert [type(f) for f in profile.filters] == [BoundedLoadFilter, SloTtftFilter, SloTpotFilter]
 
-    def test_affinity_v1_profile(self) -> None:
-        profile = profile_from_config("v1", AFFINITY_V1_PROFILE)
+    def test_affinity_profile(self) -> None:
+        profile = profile_from_config("v1", AFFINITY_PROFILE)
         assert [(type(s), w) for s, w in profile.scorers] == [
             (PrefixAffinityScorer, 3.0),
             (QueueDepthScorer, 1.0),

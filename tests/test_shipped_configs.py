@@ -16,6 +16,7 @@ from extproc.settings import HeaderNames
 PAIRS = [("envoy.yaml", "llm-extproc.yaml"), ("endpoint-picker.yaml", "llm-extproc-endpoint.yaml")]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["envoy.yaml", "endpoint-picker.yaml"])
 def test_envoy_validates(name: str) -> None:
     out = subprocess.run(
@@ -28,6 +29,7 @@ def test_envoy_validates(name: str) -> None:
     assert "OK" in out.stdout
 
 
+@pytest.mark.integration
 def test_envoy_rejects_a_broken_config(tmp_path) -> None:
     """The validation above can fail: a typo in a field name is caught."""
     cfg = load_envoy_config(ENVOY_DIR / "envoy.yaml")
@@ -100,6 +102,7 @@ def test_release_mode_matches_envoy(envoy_file: str, service_file: str) -> None:
     assert release_on == "access_log"  # the default too: a generation never depends on the service
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("envoy_file", "service_file"), PAIRS)
 def test_check_config_cli(envoy_file: str, service_file: str) -> None:
     out = subprocess.run(
@@ -122,6 +125,7 @@ def test_shipped_service_configs_cap_clients_at_standard(service_file: str) -> N
     assert load_config(ENVOY_DIR / service_file).admission.client_max_priority == 0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("entry", "expected"),
     [
@@ -160,6 +164,7 @@ def test_check_config_cli_reports_bad_route_metadata(
     assert expected in out.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

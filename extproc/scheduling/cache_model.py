@@ -3,7 +3,7 @@
 Engines (vLLM, SGLang) keep a finished request's full KV blocks cached, unreferenced, in an LRU queue
 and evict the least recently used ones only when a new request needs room; blocks of running requests
 are pinned. A router that assumes an engine still holds everything ever sent to it sends tenants to
-engines that evicted them long ago (DESIGN.md section 9). So this model does what the engine does, in
+engines that evicted them long ago. So this model does what the engine does, in
 the units the engine uses:
 
 - capacity: `kv_blocks_total x block_size` tokens from the engine's snapshot, in index blocks of

@@ -1,6 +1,6 @@
 """`predicted-ttft`: score each candidate by the time to first token this request is predicted to see
 there, in the engine's own units (tokens, blocks, prefill seconds), so cache affinity and load balance
-are one number instead of two fighting scores (DESIGN.md section 9: "count work, not requests").
+are one number instead of two fighting scores: it counts work, not requests.
 
 For a candidate u:
 

@@ -1,7 +1,7 @@
 """Replicas that act as one: each replica publishes its own scheduling decisions through Redis and
 applies the others', so N `serve` processes behind one Envoy share one model of the upstreams' prefix
-caches and queues, and one in-flight count per upstream (DESIGN.md section 9: "replicas must share
-what they learn"; design and failure modes in docs/fleet-state.md, "Shared state between replicas").
+caches and queues, and one in-flight count per upstream (design and failure modes in
+docs/fleet-state.md, "Shared state between replicas").
 
 When a replica routes or finishes a request it PUBLISHes at once (the leading edge), then at most
 once per `interval_s`, batching what came meanwhile, and every `heartbeat_s` when idle; one msgpack
