@@ -108,7 +108,7 @@ DEFAULT_BODY_TRIM_INTERVAL_S = 2.0
 # whatever the model predicts (the floor under it: docs/tuning.md).
 # `slo-ttft`, `slo-tpot` and `decode-speed` act only on requests that carry a TTFT objective
 # (x-llm-ttft-slo-ms) or a TPOT objective (x-llm-tpot-slo-ms): for others they change nothing.
-# decode-speed's 0.6: docs/benchmarks.md, "Decode speed in placement".
+# decode-speed's 0.6: notebook/benchmarks-history.md, "Decode speed in placement".
 DEFAULT_PROFILE: dict[str, Any] = {
     "filters": ["bounded-load", "slo-ttft", "slo-tpot"],
     "scorers": [{"name": "predicted-ttft", "weight": 1.0}, {"name": "decode-speed", "weight": 0.6}],
@@ -151,8 +151,8 @@ DEFAULT_ADMISSION_OVERLOAD_WAIT_S: float | None = 0.25
 # A request decodes for seconds, so its TPOT is the mean over many of the engine's steps; one interval
 # holding a long prefill chunk reads several times the typical step. Admission's TPOT gate and the
 # `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: 2 s (four 0.5 s
-# publish intervals) beat 5 s in the priorities bench at 160 % load (docs/benchmarks.md, "TPOT-aware
-# admission").
+# publish intervals) beat 5 s in the priorities bench at 160 % load (notebook/benchmarks-history.md,
+# "TPOT-aware admission").
 DEFAULT_TPOT_WINDOW_S = 2.0
 
 

@@ -537,7 +537,8 @@ def tpot_lifecycle(scorers: list[Any] | None = None) -> RequestLifecycle:
 
 async def test_slo_tpot_does_not_narrow_and_decode_speed_steers() -> None:
     """While one upstream decodes within the objective, the filter routes as usual (it never
-    narrows: measured, docs/benchmarks.md); `decode-speed`, reading the request's objective, steers."""
+    narrows: measured, notebook/benchmarks-history.md, "TPOT objectives per request"); `decode-speed`,
+    reading the request's objective, steers."""
     lc = tpot_lifecycle()  # no decode-speed: least-outstanding alone decides
     publish_tpot(lc, {"a": 0.15, "b": 0.05})
     clusters = {(await lc.route_async(head(tpot="100"), BODY)).upstream.cluster for _ in range(6)}

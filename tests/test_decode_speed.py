@@ -192,11 +192,11 @@ def test_bad_params(params: dict[str, Any]) -> None:
 
 
 def test_a_slow_prefix_holder_loses_its_hot_tenants_in_the_des() -> None:
-    """The priorities bench's run at 120 % of capacity, seed 3 (docs/benchmarks.md, "Decode speed in
-    placement"; ~8 s a run here): with `predicted-ttft` alone one engine decodes slower than the 100 ms
-    objective for much of the run; with `decode-speed` beside it, the TPOT p90 stays under it and
-    more requests are good. (Seeds 3 and 13 of 0-14 show it with the scorer's measured prefill rates;
-    seed 10, this test's seed before them, no longer does.)"""
+    """The priorities bench's run at 120 % of capacity, seed 3 (notebook/benchmarks-history.md,
+    "Decode speed in placement"; ~8 s a run here): with `predicted-ttft` alone one engine decodes
+    slower than the 100 ms objective for much of the run; with `decode-speed` beside it, the TPOT p90
+    stays under it and more requests are good. (Seeds 3 and 13 of 0-14 show it with the scorer's
+    measured prefill rates; seed 10, this test's seed before them, no longer does.)"""
     from extproc.lab.discrete_event.priorities import BENCH_ADMISSION, BenchConfig, _workload
     from extproc.lab.discrete_event.simulation import SEEDED_PICKER, simulate, tokenize_requests
     from extproc.lab.engines.profiles import PROFILES

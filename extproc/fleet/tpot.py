@@ -48,7 +48,7 @@ class SmoothedTpot:
     ordinary steps, so the figure reads high while cold prefills crowd the engine, which is when one
     more request hurts most. Against the token-weighted mean (smoothing 1 / TPOT), admission's gate
     at 0.09 s in the priorities bench at 160 % load: 5 308 good requests against 4 504 (three seeds;
-    docs/benchmarks.md, "TPOT-aware admission")."""
+    notebook/benchmarks-history.md, "TPOT-aware admission")."""
 
     __slots__ = ("_seen", "window_s")
 

@@ -21,7 +21,7 @@ not the prefill queue, that decides whether requests meet their objective). Then
 Once the queue has not been empty for `overload_after_s` (overload, not a burst), each tenant's
 newest waiter goes first and waiters older than `overload_wait_s` get 429 `queue_timeout` at the
 next arrival or finish: first come, first served, every admitted request would have waited
-~`max_wait_s` already (adaptive LIFO; docs/benchmarks.md, "Overload: newest waiters first").
+~`max_wait_s` already (adaptive LIFO; notebook/benchmarks-history.md, "Overload: newest waiters first").
 
 A new arrival never overtakes the queue: while a model's queue is not empty, standard arrivals
 queue behind it and sheddable ones are shed. The queue is event-loop safe (asyncio futures, no
@@ -377,13 +377,13 @@ class Admission:
         prefill, which is more work for the fleet just when it has none to spare: with the holder
         taken away regardless, each admitted request became a cold prefill that closed another
         engine: 8 A10Gs serving 48 tenants at 120 % of capacity gave 1.2 good requests/s, against
-        17.7 without admission and 19.2 with this rule (docs/benchmarks.md, "Priorities across
-        fleets and workloads"; at 160 % where every cache holds every tenant the rule costs, as
+        17.7 without admission and 19.2 with this rule (notebook/benchmarks-history.md, "Priorities
+        across fleets and workloads"; at 160 % where every cache holds every tenant the rule costs, as
         that section says). Below saturation the
         scheduler weighs every move itself: critical TTFT p99 at 120 % load was 1008 ms with the
-        predicted queue always restricting and 407 ms without (docs/benchmarks.md, "Priorities and
-        SLOs"). The engines' own counts and caps always restrict, and so does the TPOT gate while
-        saturated (one more sequence there slows every running one, however warm it is)."""
+        predicted queue always restricting and 407 ms without (notebook/benchmarks-history.md,
+        "Priorities and SLOs"). The engines' own counts and caps always restrict, and so does the TPOT gate
+        while saturated (one more sequence there slows every running one, however warm it is)."""
         if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
             return candidates
         open_ = tuple(u for u in candidates if self.headroom(u, predicted=False) > 0) or candidates

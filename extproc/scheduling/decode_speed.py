@@ -11,7 +11,7 @@ stays with its prefix unless its holder is close to the objective.
 
 The smoothed figure lags the batch it was measured on by seconds. Read as it stands, the one engine
 that has just come under the objective after a spell of shedding scores alone above 0 and takes
-every request until it is over again (docs/benchmarks.md, "Smoothing in the fleet view"). So the
+every request until it is over again (notebook/benchmarks-history.md, "Smoothing in the fleet view"). So the
 figure is scaled to the batch there now: `batch_share` of it grows with the running requests
 (those in the latest snapshot plus those sent since, over the batch the figure was measured on),
 the rest is the fixed cost of a decode step (reading the weights).
@@ -38,7 +38,7 @@ class DecodeSpeedScorer:
     every candidate scores 0.0, which adds nothing to any total (so it can sit in the default
     profile without moving a request that set no objective, whatever the picker). With an
     objective, unknown (no snapshot, no TPOT reported, idle) is neutral: 1.0. Weight it against
-    `predicted-ttft` (0.6 in docs/benchmarks.md, "Decode speed in placement"): the weight decides
+    `predicted-ttft` (0.6 in notebook/benchmarks-history.md, "Decode speed in placement"): the weight decides
     how slow a prefix holder must get before a request leaves it for a cold prefill elsewhere."""
 
     tpot_objective_s: float | None = None
@@ -46,7 +46,7 @@ class DecodeSpeedScorer:
     window_s: float = DEFAULT_TPOT_WINDOW_S  # the smoothing's time constant (fleet/tpot.py)
     # The share of TPOT that grows with the running batch: ~0.6 for an 8B model on an A10G at the
     # batch where TPOT nears 100 ms (a 35 ms weight read per step); 0.5 chosen on the priorities
-    # bench, 16 seeds (docs/benchmarks.md, "Room for the requests sent since").
+    # bench, 16 seeds (notebook/benchmarks-history.md, "Room for the requests sent since").
     batch_share: float = 0.5
 
     def __post_init__(self) -> None:

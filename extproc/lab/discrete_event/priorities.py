@@ -55,7 +55,8 @@ from extproc.lab.engines.profiles import PROFILES
 from extproc.settings import DEFAULT_PROFILE
 
 REFERENCES = tuple(p for p in POLICIES if p != "llm-extproc")
-DECODE_SPEED_WEIGHT = 0.6  # against predicted-ttft's 1.0: docs/benchmarks.md, "Decode speed in placement"
+# against predicted-ttft's 1.0: notebook/benchmarks-history.md, "Decode speed in placement"
+DECODE_SPEED_WEIGHT = 0.6
 
 
 def decode_speed_profile(tpot_objective_s: float) -> dict[str, Any]:
