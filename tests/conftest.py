@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from extproc.lab.engines import EngineGroup
+from extproc_lab.engines import EngineGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 

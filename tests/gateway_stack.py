@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import ENVOY_DIR, LocalGateway
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import ENVOY_DIR, LocalGateway
 
 MODEL = "sim-llama"
 

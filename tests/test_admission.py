@@ -652,9 +652,9 @@ async def test_predicted_prefill_queue_is_a_signal_without_snapshots() -> None:
 
 # -- the discrete-event mode drives the same Admission in virtual time -------------------------------
 def test_des_admission_sheds_sheddable_first_and_counts_queue_time() -> None:
-    from extproc.lab.bench.workloads import make_workload, with_priorities
-    from extproc.lab.discrete_event.simulation import simulate
-    from extproc.lab.engines.profiles import PROFILES
+    from extproc_lab.bench.workloads import make_workload, with_priorities
+    from extproc_lab.discrete_event.simulation import simulate
+    from extproc_lab.engines.profiles import PROFILES
 
     wl = with_priorities(make_workload("shared-prefix", rate=8.0, count=300, seed=1, tenants=4), seed=1)
     assert [h["x-llm-priority"] for h in wl.headers] == [t.split("/")[0] for t in wl.tags()]
@@ -739,8 +739,8 @@ async def test_unknown_model_is_404_not_saturation() -> None:
 def test_priorities_bench_reports_the_tail_after_warm_up_apart() -> None:
     """The bench's "after warm-up" p99 leaves out the first share of requests by arrival order (the
     same requests at every load), and only that: shed requests and the whole-run p99 are unchanged."""
-    from extproc.lab.bench.priorities import class_stats, warmup_end_s
-    from extproc.lab.bench.report import RequestRecord, Slo
+    from extproc_lab.bench.priorities import class_stats, warmup_end_s
+    from extproc_lab.bench.report import RequestRecord, Slo
 
     def rec(i: int, ttft: float, klass: str = "critical", status: int = 200) -> RequestRecord:
         return RequestRecord(f"{klass}/t", "e0", status, None, float(i), ttft, ttft + 1.0, 100, 10)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.lab.bench.report import read_json
-from extproc.lab.bench.scenarios import run_live_bench
+from extproc_lab.bench.report import read_json
+from extproc_lab.bench.scenarios import run_live_bench
 
 pytestmark = pytest.mark.envoy
 

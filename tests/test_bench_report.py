@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.lab.bench.report import (
+from extproc_lab.bench.report import (
     Report,
     RequestRecord,
     Slo,

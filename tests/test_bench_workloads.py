@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from extproc.lab.bench.workloads import (
+from extproc_lab.bench.workloads import (
     CHARS_PER_TOKEN,
     WORKLOADS,
     Workload,

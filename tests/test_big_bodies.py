@@ -26,7 +26,6 @@ from gateway_stack import MODEL, Stack, service_config
 from test_tokenization import CONFIGS, train_bytelevel
 
 from extproc.config import BodySettings, config_from_dict
-from extproc.lab.engines import EngineGroup
 from extproc.lifecycle import RequestLifecycle
 from extproc.lifecycle.bodies import BodyParser
 from extproc.openai import InferenceRequest, RequestError, RequestHead
@@ -36,6 +35,7 @@ from extproc.settings import ConfigError
 from extproc.telemetry import Metrics
 from extproc.tokenization import PromptTooLong, from_config
 from extproc.tokenization.registry import min_tokens
+from extproc_lab.engines import EngineGroup
 
 SMALL_LIMIT = 4096  # bodies from this size go to workers in these tests
 DETERMINISTIC = {"scorers": [{"name": "session-affinity", "weight": 1.0}], "picker": "max-score"}

@@ -12,8 +12,8 @@ import pytest
 import requests
 from gateway_stack import MODEL, Stack, service_config, wait_until
 
-from extproc.lab.engines import EngineGroup
 from extproc.server.app import replica_id
+from extproc_lab.engines import EngineGroup
 
 pytestmark = pytest.mark.envoy
 
@@ -91,8 +91,8 @@ def test_shipped_bulk_cluster_matches_the_compose_processes() -> None:
     on the ports the compose stack's two `serve` processes listen on."""
     import yaml
 
-    from extproc.lab.stack import ENVOY_DIR
-    from extproc.lab.stack.processes import BULK_CLUSTER, EXT_PROC_CLUSTER, load_envoy_config
+    from extproc_lab.stack import ENVOY_DIR
+    from extproc_lab.stack.processes import BULK_CLUSTER, EXT_PROC_CLUSTER, load_envoy_config
 
     clusters = {
         c["name"]: c for c in load_envoy_config(ENVOY_DIR / "envoy.yaml")["static_resources"]["clusters"]

@@ -1,6 +1,6 @@
 """The cache model against the engine model's own prefix cache, on the same request stream.
 
-The simulated engine (extproc.lab.engines.model) implements vLLM's automatic prefix caching: paged
+The simulated engine (extproc_lab.engines.model) implements vLLM's automatic prefix caching: paged
 blocks, LRU eviction of unreferenced blocks, pinning while running, preemption. The service's
 CacheModel only sees its own decisions and the engine's capacity. Here both see the same requests; at
 each submission the model predicts how many prompt tokens the engine will find cached, and the engine
@@ -14,12 +14,12 @@ import math
 
 import pytest
 
-from extproc.lab.bench.workloads import make_workload
-from extproc.lab.engines.model import EngineModel
-from extproc.lab.engines.profiles import PROFILES
-from extproc.lab.engines.tokens import chat_to_tokens
 from extproc.scheduling.cache_model import CacheModel, Placement
 from extproc.tokenization import block_hashes
+from extproc_lab.bench.workloads import make_workload
+from extproc_lab.engines.model import EngineModel
+from extproc_lab.engines.profiles import PROFILES
+from extproc_lab.engines.tokens import chat_to_tokens
 
 BS = 16
 

@@ -11,7 +11,7 @@ import yaml
 
 from extproc.cli import build_parser
 from extproc.config import load_config
-from extproc.lab.stack import ENVOY_DIR, find_envoy, load_envoy_config
+from extproc_lab.stack import ENVOY_DIR, find_envoy, load_envoy_config
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose" / "docker-compose.yml"
@@ -26,7 +26,7 @@ def services() -> dict:
 
 def test_dockerfile_copies_what_the_package_needs() -> None:
     text = DOCKERFILE.read_text()
-    for needed in ("COPY pyproject.toml", "COPY extproc", "COPY envoy", "pip install"):
+    for needed in ("COPY pyproject.toml", "COPY extproc", "COPY envoy", "COPY lab", "pip install"):
         assert needed in text
     for path in ("pyproject.toml", "README.md", "extproc", "envoy"):
         assert (ROOT / path).exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.lab.bench.dashboard import DASHBOARD, Evaluator, Scrape, parse_metrics, render
+from extproc_lab.bench.dashboard import DASHBOARD, Evaluator, Scrape, parse_metrics, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,4 +89,4 @@ def test_the_committed_picture_exists_and_is_embedded() -> None:
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     ops = (ROOT / "docs" / "operations.md").read_text()
     assert "](images/dashboard.png)" in ops
-    assert "python -m extproc.lab.bench.dashboard --out docs/images/dashboard.png" in ops
+    assert "python -m extproc_lab.bench.dashboard --out docs/images/dashboard.png" in ops

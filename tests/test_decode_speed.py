@@ -12,11 +12,11 @@ from builders import NOW, chat_request, instance_state
 
 from extproc.fleet import ClusterSpec, FleetView, InFlight, Load, Pool, SchedulingState
 from extproc.fleet.tpot import SmoothedTpot
-from extproc.lab.bench.lora_latency import ModelState, up
-from extproc.lab.bench.lora_latency import ld as model_load
 from extproc.scheduling import build_scorer
 from extproc.scheduling.decode_speed import DecodeSpeedScorer
 from extproc.settings import ConfigError
+from extproc_lab.bench.lora_latency import ModelState, up
+from extproc_lab.bench.lora_latency import ld as model_load
 
 
 def ld(**kw: Any) -> Load:
@@ -197,9 +197,9 @@ def test_a_slow_prefix_holder_loses_its_hot_tenants_in_the_des() -> None:
     slower than the 100 ms objective for much of the run; with `decode-speed` beside it, the TPOT p90
     stays under it and more requests are good. (Seeds 3 and 13 of 0-14 show it with the scorer's
     measured prefill rates; seed 10, this test's seed before them, no longer does.)"""
-    from extproc.lab.discrete_event.priorities import BENCH_ADMISSION, BenchConfig, _workload
-    from extproc.lab.discrete_event.simulation import SEEDED_PICKER, simulate, tokenize_requests
-    from extproc.lab.engines.profiles import PROFILES
+    from extproc_lab.discrete_event.priorities import BENCH_ADMISSION, BenchConfig, _workload
+    from extproc_lab.discrete_event.simulation import SEEDED_PICKER, simulate, tokenize_requests
+    from extproc_lab.engines.profiles import PROFILES
 
     cfg = BenchConfig(seed=3)
     wl = _workload(cfg, 9.43 * 1.2)
@@ -240,7 +240,7 @@ def test_a_slow_prefix_holder_loses_its_hot_tenants_in_the_des() -> None:
 def test_priorities_bench_runs_the_decode_speed_and_tpot_gate_rows() -> None:
     """The bench's llm-extproc variants all run (small: 300 requests, two loads, one reference); the
     TPOT gate sheds sheddable requests at 160 %, never critical ones."""
-    from extproc.lab.discrete_event.priorities import (
+    from extproc_lab.discrete_event.priorities import (
         DECODE_SPEED_ROW,
         ENGINE_PRIORITY_ROW,
         TPOT_GATE_ROW,

@@ -31,7 +31,6 @@ import pytest
 import yaml
 
 from extproc.config import config_from_dict
-from extproc.lab.stack import ENVOY_DIR, ext_proc_filter, find_envoy, load_envoy_config
 from extproc.publishers.engines import ENGINE_METRICS
 from extproc.publishers.metrics import PublisherMetrics
 from extproc.publishers.publisher import load_publisher_config
@@ -44,6 +43,7 @@ from extproc.settings import (
 )
 from extproc.telemetry import Metrics
 from extproc.telemetry.metrics import PLUGIN_FIGURES
+from extproc_lab.stack import ENVOY_DIR, ext_proc_filter, find_envoy, load_envoy_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

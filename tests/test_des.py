@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.lab.bench.report import summarize
-from extproc.lab.bench.workloads import make_workload
-from extproc.lab.discrete_event.simulation import POLICIES, simulate
-from extproc.lab.engines.profiles import PROFILES
+from extproc_lab.bench.report import summarize
+from extproc_lab.bench.workloads import make_workload
+from extproc_lab.discrete_event.simulation import POLICIES, simulate
+from extproc_lab.engines.profiles import PROFILES
 
 A10G = PROFILES["a10g-llama3-8b"]
 
@@ -37,7 +37,7 @@ def test_deterministic() -> None:
 
 
 def test_llm_extproc_policy_uses_live_snapshots_not_the_fallback() -> None:
-    from extproc.lab.discrete_event import simulation as des
+    from extproc_lab.discrete_event import simulation as des
 
     reqs = requests("shared-prefix", count=40, tenants=4)
     fleet = des.Fleet([des.EngineModel(A10G) for _ in range(2)])

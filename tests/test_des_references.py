@@ -6,18 +6,18 @@ import dataclasses
 
 import pytest
 
-from extproc.lab.bench.report import summarize
-from extproc.lab.bench.workloads import make_workload
-from extproc.lab.discrete_event.references import (
+from extproc_lab.bench.report import summarize
+from extproc_lab.bench.workloads import make_workload
+from extproc_lab.discrete_event.references import (
     SGLANG_CACHE_AWARE,
     VLLM_ROUTER_CACHE_AWARE,
     ApproxTree,
     CacheAwareRouter,
     routing_text,
 )
-from extproc.lab.discrete_event.simulation import POLICIES, simulate, tokenize_requests
-from extproc.lab.engines.profiles import PROFILES
-from extproc.lab.engines.tokens import chat_to_tokens
+from extproc_lab.discrete_event.simulation import POLICIES, simulate, tokenize_requests
+from extproc_lab.engines.profiles import PROFILES
+from extproc_lab.engines.tokens import chat_to_tokens
 
 SYSTEM_A = "You are the assistant of tenant A. " * 20
 SYSTEM_B = "Tenant B wants short answers only. " * 20

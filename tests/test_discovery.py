@@ -25,14 +25,14 @@ from extproc.config import config_from_dict
 from extproc.discovery import KubernetesDiscovery, PoolUpdater
 from extproc.discovery.kubernetes import EndpointSliceWatcher, slice_endpoints
 from extproc.fleet import RoutingMode
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import ENVOY_DIR, free_port, wait_port
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
 from extproc.scheduling import plugin_name
 from extproc.server import app
 from extproc.settings import ConfigError
 from extproc.telemetry import Metrics
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import ENVOY_DIR, free_port, wait_port
 
 TOKEN = "test-token-0123"
 SELECTOR = "kubernetes.io/service-name=vllm"

@@ -18,8 +18,8 @@ import yaml
 from extproc.cli import main
 from extproc.doctor import Check, DoctorOptions, report, run_doctor
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.lab.stack import ENVOY_DIR, RedisProcess
 from extproc.settings import RedisSettings
+from extproc_lab.stack import ENVOY_DIR, RedisProcess
 
 sys.path.insert(0, str(Path(__file__).parent))
 

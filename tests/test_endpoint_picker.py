@@ -18,12 +18,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gateway_stack import MODEL, Stack, wait_until
 
 from extproc.config import config_from_dict
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import ENVOY_DIR, body_mode_edit, ext_proc_filter, free_port
 from extproc.lifecycle import RequestLifecycle
 from extproc.server import picker
 from extproc.server.stream import RequestStream
 from extproc.telemetry import Metrics
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import ENVOY_DIR, body_mode_edit, ext_proc_filter, free_port
 
 ENVOY = pytest.mark.envoy  # the tests that start real Envoy
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 from gateway_stack import MODEL, Stack, service_config
 
-from extproc.lab.stack.processes import body_mode_edit
+from extproc_lab.stack.processes import body_mode_edit
 
 pytestmark = pytest.mark.envoy
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.lab.stack import (
+from extproc.publishers.publisher import discover_from_envoy
+from extproc_lab.stack import (
     ENVOY_DIR,
     EnvoyProcess,
     free_port,
     load_envoy_config,
     render_envoy_config,
 )
-from extproc.publishers.publisher import discover_from_envoy
 
 pytestmark = pytest.mark.envoy
 

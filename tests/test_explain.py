@@ -19,7 +19,6 @@ from builders import chat_request
 from gateway_stack import MODEL, Stack, service_config
 
 from extproc.fleet import Load, Upstream
-from extproc.lab.stack import body_mode_edit
 from extproc.openai import InferenceRequest
 from extproc.scheduling import Profile, build_picker, profile_from_config
 from extproc.scheduling.explain import (
@@ -31,6 +30,7 @@ from extproc.scheduling.explain import (
     new_explanation,
 )
 from extproc.settings import ConfigError
+from extproc_lab.stack import body_mode_edit
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 

@@ -15,11 +15,11 @@ from extproc.config import config_from_dict
 from extproc.fleet import FleetView
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.redis_feed import RedisFeed, follow_channel
-from extproc.lab.stack import RedisProcess
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
 from extproc.settings import RedisSettings
 from extproc.telemetry import Metrics
+from extproc_lab.stack import RedisProcess
 
 POOL = {"clusters": [{"name": "gpu-a", "models": ["m"]}, {"name": "gpu-b", "models": ["m"]}]}
 

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from gateway_stack import MODEL, Stack, service_config, wait_until
 
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import ENVOY_DIR, RedisProcess
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import RedisSettings
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import ENVOY_DIR, RedisProcess
 
 pytestmark = pytest.mark.envoy
 

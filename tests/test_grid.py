@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.lab.bench import grid_live, scenarios
-from extproc.lab.bench.grid import (
+from extproc_lab.bench import grid_live, scenarios
+from extproc_lab.bench.grid import (
     DIMENSIONS,
     GRIDS,
     LIVE_CELLS,
@@ -22,10 +22,10 @@ from extproc.lab.bench.grid import (
     grid,
     kv_variant,
 )
-from extproc.lab.bench.report import RequestRecord
-from extproc.lab.discrete_event.grid import calibrate, run_des_grid, saturated_capacity
-from extproc.lab.discrete_event.simulation import POLICIES
-from extproc.lab.engines.profiles import A10G_LLAMA3_8B, H100_LLAMA3_8B
+from extproc_lab.bench.report import RequestRecord
+from extproc_lab.discrete_event.grid import calibrate, run_des_grid, saturated_capacity
+from extproc_lab.discrete_event.simulation import POLICIES
+from extproc_lab.engines.profiles import A10G_LLAMA3_8B, H100_LLAMA3_8B
 
 
 @pytest.mark.parametrize("name", ["default", "full"])
@@ -223,8 +223,8 @@ async def test_live_grid_cell_runs_through_envoy(tmp_path: Path) -> None:
 def test_engines_that_count_differently_keep_prefixes_and_their_own_scale() -> None:
     import random
 
-    from extproc.lab.bench.workloads import pseudo_text
-    from extproc.lab.engines.tokens import Recount, chat_to_tokens
+    from extproc_lab.bench.workloads import pseudo_text
+    from extproc_lab.engines.tokens import Recount, chat_to_tokens
 
     words = pseudo_text(random.Random(3), 2000)  # a workload's text: many distinct pieces
     system = {"role": "system", "content": words}
@@ -300,8 +300,8 @@ def test_the_service_learns_the_engines_count_in_the_discrete_event_mode() -> No
     """Engines counting 1/1.75 of the service's bytes/4 estimate (words of 3-9 letters): the scorer's
     ratio, read off the same /metrics series the service exports, converges to the engines' count
     over the service's, from the publisher's counters alone."""
-    from extproc.lab.discrete_event.grid import engine_recount, service_estimate_ratio
-    from extproc.lab.discrete_event.simulation import simulate, tokenize_requests
+    from extproc_lab.discrete_event.grid import engine_recount, service_estimate_ratio
+    from extproc_lab.discrete_event.simulation import simulate, tokenize_requests
 
     cell = Cell("x", engines=4, tenants=8, kv_prefixes=4, token_ratio=(1.75,), output_tokens=(20, 40))
     cal = calibrate(cell, count_scale=0.5)

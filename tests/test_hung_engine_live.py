@@ -18,10 +18,10 @@ import orjson
 import pytest
 from gateway_stack import MODEL, Stack, service_config
 
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import RedisProcess
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import RedisSettings
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import RedisProcess
 
 pytestmark = pytest.mark.envoy
 

@@ -33,12 +33,6 @@ from extproc.fleet.kv_index import (
     encode_full,
 )
 from extproc.fleet.view import KvHeld
-from extproc.lab.bench.workloads import make_workload
-from extproc.lab.engines.model import EngineModel
-from extproc.lab.engines.profiles import PROFILES
-from extproc.lab.engines.server import SimEngine
-from extproc.lab.engines.tokens import chat_to_tokens
-from extproc.lab.stack import RedisProcess
 from extproc.openai.parse import Api, InferenceRequest
 from extproc.publishers.kv_events import (
     AllBlocksCleared,
@@ -59,6 +53,12 @@ from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.server.app import start
 from extproc.settings import ConfigError, RedisSettings
 from extproc.tokenization import block_hashes
+from extproc_lab.bench.workloads import make_workload
+from extproc_lab.engines.model import EngineModel
+from extproc_lab.engines.profiles import PROFILES
+from extproc_lab.engines.server import SimEngine
+from extproc_lab.engines.tokens import chat_to_tokens
+from extproc_lab.stack import RedisProcess
 
 CAPTURE = json.loads((Path(__file__).parent / "data" / "vllm-0.33.0-kv-events.json").read_text())
 H = [bytes([i]) * 32 for i in range(1, 6)]
@@ -690,7 +690,7 @@ def test_a_large_pool_pre_selects_the_holders_the_engines_report() -> None:
 def test_fleet_bench_measures_decisions_with_holders_by_kv_events() -> None:
     """`bench-fleet`'s KV-event case runs through the lifecycle with token ids and sets up holders in
     the index (a check that the bench runs; timings are the bench's output, not asserted)."""
-    from extproc.lab.bench.fleet_state import decision_latency
+    from extproc_lab.bench.fleet_state import decision_latency
 
     r = decision_latency(20, "endpoint", 30, held_share=0.5, prompt_words=300)
     assert r["candidates"] == 20 and 0 < int(r["kv_holders"]) < 20

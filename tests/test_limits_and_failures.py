@@ -11,8 +11,8 @@ import orjson
 import pytest
 from gateway_stack import MODEL, Stack, service_config, wait_until
 
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import body_mode_edit, ext_proc_filter
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import body_mode_edit, ext_proc_filter
 
 pytestmark = pytest.mark.envoy
 

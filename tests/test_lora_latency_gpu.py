@@ -8,8 +8,8 @@ two discrete simulations (no network, virtual clock) that reproduce the targets 
   share within 60 s.
 
 The simulations are models (an engine here is an LRU of adapter slots, a batch and a service time),
-not live engines; they live in the bench tooling (extproc/lab/bench/lora_latency.py), whose
-`python -m extproc.lab.bench.lora_latency` writes the figures in docs/benchmarks.md; here they run small
+not live engines; they live in the bench tooling (lab/extproc_lab/bench/lora_latency.py), whose
+`python -m extproc_lab.bench.lora_latency` writes the figures in docs/benchmarks.md; here they run small
 (LoRA: half the duration) and the targets are checked. The live slowdown check is tests/test_ucb_live.py.
 """
 
@@ -27,9 +27,6 @@ from builders import NOW, chat_request, instance_state, serve_http
 from extproc.fleet import ClusterSpec, FleetView, InstanceState, Load, Pool, RoutingMode, Upstream
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import validate
-from extproc.lab.bench.lora_latency import ModelState, latency_profile, simulate_lora, simulate_slowdown, up
-from extproc.lab.bench.lora_latency import ld as model_load
-from extproc.lab.engines import SimEngine
 from extproc.openai import InferenceRequest
 from extproc.publishers.engines import EngineLoad, normalize, normalize_dcgm
 from extproc.publishers.publisher import (
@@ -45,6 +42,9 @@ from extproc.scheduling.gpu import GpuUtilizationScorer
 from extproc.scheduling.latency import LatencyUcbScorer
 from extproc.scheduling.lora import LoraAffinityFilter, LoraAffinityScorer
 from extproc.settings import ConfigError, RedisSettings
+from extproc_lab.bench.lora_latency import ModelState, latency_profile, simulate_lora, simulate_slowdown, up
+from extproc_lab.bench.lora_latency import ld as model_load
+from extproc_lab.engines import SimEngine
 
 
 # -- fakes -------------------------------------------------------------------------------------------------

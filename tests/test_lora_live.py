@@ -9,8 +9,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.lab.engines import SimEngine
 from extproc.publishers.engines import normalize
+from extproc_lab.engines import SimEngine
 
 
 async def _ask(session: aiohttp.ClientSession, port: int, model: str, tokens: int = 20) -> int:
@@ -55,7 +55,7 @@ async def test_adapters_share_the_slots_and_are_published_as_vllm_does() -> None
 async def test_lora_affinity_lands_where_the_adapter_is_loaded_live(tmp_path: Path) -> None:
     """The issue's LoRA target, live and short: 10 adapters, 6 engines of 4 slots; the recommended
     profile against load balancing alone on the same request stream."""
-    from extproc.lab.bench.lora_live import run_policy
+    from extproc_lab.bench.lora_live import run_policy
 
     short = {"rate": 12.0, "duration_s": 16.0, "warmup_s": 4.0}
     lora = await run_policy("lora", tmp_path / "lora", **short)

@@ -19,9 +19,9 @@ from gateway_stack import MODEL, Stack, service_config, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import config_from_dict
-from extproc.lab.stack import ENVOY_DIR, free_port
 from extproc.server import app
 from extproc.settings import ConfigError
+from extproc_lab.stack import ENVOY_DIR, free_port
 
 POOL = {"clusters": [{"name": "gpu-a", "models": ["m"]}]}
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.lab.engines.model import EngineModel
-from extproc.lab.engines.profiles import A10G_LLAMA3_8B, H100_LLAMA3_8B
 from extproc.publishers.prefill_rate import PrefillRate
+from extproc_lab.engines.model import EngineModel
+from extproc_lab.engines.profiles import A10G_LLAMA3_8B, H100_LLAMA3_8B
 
 
 def test_no_estimate_before_a_delta_then_the_ratio_of_deltas() -> None:

@@ -1,4 +1,4 @@
-"""The live priorities bench (`python -m extproc.lab.bench.priorities_live`): a short run through real
+"""The live priorities bench (`python -m extproc_lab.bench.priorities_live`): a short run through real
 Envoy + llm-extproc + redis-server + the publisher over simulated engines, and Envoy's round robin,
 reported with the discrete-event bench's per-class statistics and checks. The figures are in
 docs/benchmarks.md; this checks the plumbing: every request's class and objective reach the service
@@ -15,10 +15,10 @@ import pytest
 from aiohttp import web
 from builders import serve_http
 
-from extproc.lab.bench.loadgen import open_loop
-from extproc.lab.bench.priorities import CLASSES, ENGINE_PRIORITY_ROW, TPOT_OBJECTIVE_ROW
-from extproc.lab.bench.priorities_live import LiveConfig, run_live, service_admission
-from extproc.lab.bench.report import Slo
+from extproc_lab.bench.loadgen import open_loop
+from extproc_lab.bench.priorities import CLASSES, ENGINE_PRIORITY_ROW, TPOT_OBJECTIVE_ROW
+from extproc_lab.bench.priorities_live import LiveConfig, run_live, service_admission
+from extproc_lab.bench.report import Slo
 
 
 async def test_open_loop_sends_each_requests_own_headers() -> None:
@@ -87,6 +87,6 @@ async def test_a_short_live_run_accounts_for_every_request(tmp_path: Path) -> No
 
 def test_every_row_name_can_be_given_to_rows() -> None:
     """`--rows` is a comma-separated list: a row name with a comma in it could never be chosen."""
-    from extproc.lab.bench.priorities_live import ROWS
+    from extproc_lab.bench.priorities_live import ROWS
 
     assert all("," not in row for row in ROWS)

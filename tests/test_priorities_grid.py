@@ -1,4 +1,4 @@
-"""The priorities bench across cells (extproc.lab.discrete_event.priorities_grid), on a tiny cell."""
+"""The priorities bench across cells (extproc_lab.discrete_event.priorities_grid), on a tiny cell."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from extproc.lab.bench.grid import Cell
-from extproc.lab.discrete_event import priorities_grid as pg
+from extproc_lab.bench.grid import Cell
+from extproc_lab.discrete_event import priorities_grid as pg
 
 
 def test_a_cell_runs_every_row_at_every_load_against_the_best_routers_capacity() -> None:

@@ -15,10 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import config_from_dict
-from extproc.lab.stack import free_port
 from extproc.server import app
 from extproc.server.completions import PendingReleases
 from extproc.telemetry import Metrics, MetricsServer
+from extproc_lab.stack import free_port
 
 POOL = {"clusters": [{"name": "gpu-a", "models": ["m"]}]}
 

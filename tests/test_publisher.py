@@ -14,8 +14,6 @@ import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import decode
-from extproc.lab.engines import SimEngine
-from extproc.lab.engines.profiles import A10G_LLAMA3_8B
 from extproc.publishers.engines import EngineLoad
 from extproc.publishers.publisher import (
     InstanceSpec,
@@ -27,6 +25,8 @@ from extproc.publishers.publisher import (
     load_publisher_config,
 )
 from extproc.settings import RedisSettings
+from extproc_lab.engines import SimEngine
+from extproc_lab.engines.profiles import A10G_LLAMA3_8B
 
 SPEC = InstanceSpec(cluster="gpu-a", address="10.0.0.5:8000", models=("llama",), capacity_weight=2.0)
 

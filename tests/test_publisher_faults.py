@@ -31,10 +31,10 @@ from aiohttp import web
 from extproc.fleet import ClusterSpec, FleetView, Pool, RoutingMode
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import decode
-from extproc.lab.engines import SimEngine
-from extproc.lab.stack import RedisProcess, free_port
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import RedisSettings
+from extproc_lab.engines import SimEngine
+from extproc_lab.stack import RedisProcess, free_port
 
 INTERVAL = 0.5
 CLUSTER = "gpu"

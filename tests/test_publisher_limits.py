@@ -34,11 +34,11 @@ import yaml
 from aiohttp import web
 
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.lab.engines import SimEngine
-from extproc.lab.stack import RedisProcess
 from extproc.publishers.engines import normalize
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig, load_publisher_config
 from extproc.settings import ConfigError, RedisSettings
+from extproc_lab.engines import SimEngine
+from extproc_lab.stack import RedisProcess
 
 INTERVAL = 0.5  # scrape deadline 0.4 s, TTL 2 s
 CLUSTER = "gpu"

@@ -17,12 +17,12 @@ import pytest
 from gateway_stack import MODEL, Stack, service_config, wait_until
 
 from extproc.fleet.redis_feed import redis_client, redis_pubsub_client, write_and_publish
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import RedisProcess
-from extproc.lab.stack.redis_topologies import ClusterSet, SentinelSet
 from extproc.lifecycle import RequestLifecycle
 from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import ConfigError, RedisSettings, redis_settings, redis_topology
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import RedisProcess
+from extproc_lab.stack.redis_topologies import ClusterSet, SentinelSet
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 INTERVAL = 0.2
@@ -307,9 +307,9 @@ async def test_relay_holds_tickets_until_redis_and_the_owner_are_back(tmp_path: 
     reconnect), is delivered once both are back instead of leaking the owner's lease."""
     from test_completions import lifecycle, routed
 
-    from extproc.lab.stack import RedisProcess
     from extproc.server.completions import PendingReleases
     from extproc.server.relay import ReleaseRelay
+    from extproc_lab.stack import RedisProcess
 
     redis = RedisProcess(tmp_path / "redis.log").start()
     settings = RedisSettings(url=redis.url, pool="relay")

@@ -19,8 +19,6 @@ import redis.asyncio as aioredis
 from extproc.config import SyncSettings, config_from_dict
 from extproc.fleet import RemoteInFlight
 from extproc.fleet import snapshot_pb2 as spb
-from extproc.lab.discrete_event.simulation import simulate, tokenize_requests
-from extproc.lab.stack import RedisProcess
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai.parse import parse_head
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
@@ -31,6 +29,8 @@ from extproc.server.app import RunningService
 from extproc.server.sync import ReplicaSync
 from extproc.settings import ConfigError
 from extproc.telemetry import Metrics
+from extproc_lab.discrete_event.simulation import simulate, tokenize_requests
+from extproc_lab.stack import RedisProcess
 
 HEAD = parse_head(
     {":method": "POST", ":path": "/v1/chat/completions"},
@@ -344,9 +344,9 @@ def test_sync_config() -> None:
 
 # -- the discrete-event mode ------------------------------------------------------------------------
 def test_des_replicas_share_what_they_learn() -> None:
-    from extproc.lab.bench.report import summarize
-    from extproc.lab.bench.workloads import make_workload
-    from extproc.lab.engines.profiles import PROFILES
+    from extproc_lab.bench.report import summarize
+    from extproc_lab.bench.workloads import make_workload
+    from extproc_lab.engines.profiles import PROFILES
 
     wl = make_workload("multi-turn", rate=4.0, count=240, seed=0, conversations=24)
     reqs = [(r.arrival_s, r.body, r.tag) for r in wl.requests]
@@ -529,7 +529,7 @@ def test_a_stalled_sync_loop_bounds_the_outbox_with_a_reset() -> None:
 def test_the_replicas_bench_writes_json_and_markdown(tmp_path: Path) -> None:
     import json
 
-    from extproc.lab.discrete_event import replicas
+    from extproc_lab.discrete_event import replicas
 
     assert (
         replicas.main(
@@ -581,7 +581,7 @@ async def test_stop_ends_the_loops_while_news_keeps_coming(redis_server: RedisPr
 
 
 def test_live_agreement_samples_are_summarised_after_the_warm_up() -> None:
-    from extproc.lab.discrete_event.replicas import AGREEMENT_WARMUP_S, agreement_summary
+    from extproc_lab.discrete_event.replicas import AGREEMENT_WARMUP_S, agreement_summary
 
     w = AGREEMENT_WARMUP_S
     samples = [
@@ -598,7 +598,7 @@ def test_live_agreement_samples_are_summarised_after_the_warm_up() -> None:
 
 
 async def test_the_agreement_sampler_reads_each_replicas_gauges(monkeypatch: pytest.MonkeyPatch) -> None:
-    from extproc.lab.bench import scenarios
+    from extproc_lab.bench import scenarios
 
     monkeypatch.setattr(scenarios, "AGREEMENT_EVERY_S", 0.01)
 

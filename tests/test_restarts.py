@@ -31,9 +31,6 @@ from gateway_stack import MODEL, service_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import config_from_dict
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import ENVOY_DIR, ext_proc_filter, load_envoy_config
-from extproc.lab.stack.processes import LocalGateway
 from extproc.server import start
 from extproc.server.app import EXT_PROC_SERVICE
 from extproc.settings import (
@@ -43,6 +40,9 @@ from extproc.settings import (
     ENVOY_EXTPROC_HC_UNHEALTHY_THRESHOLD,
     ConfigError,
 )
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import ENVOY_DIR, ext_proc_filter, load_envoy_config
+from extproc_lab.stack.processes import LocalGateway
 
 POOL = {"clusters": [{"name": "gpu-a", "models": ["m"]}, {"name": "gpu-b", "models": ["m"]}]}
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from gateway_stack import MODEL, Stack, service_config
 
-from extproc.lab.engines import EngineGroup
+from extproc_lab.engines import EngineGroup
 
 pytestmark = pytest.mark.envoy
 

@@ -10,8 +10,8 @@ import os
 import signal
 
 from extproc.config import config_from_dict
-from extproc.lab.stack import free_port
 from extproc.server import app
+from extproc_lab.stack import free_port
 
 POOL = {"clusters": [{"name": "gpu-a", "models": ["m"]}]}
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from extproc.config import load_config
-from extproc.lab.stack import ENVOY_DIR, ext_proc_filter, find_envoy, load_envoy_config
 from extproc.settings import HeaderNames
+from extproc_lab.stack import ENVOY_DIR, ext_proc_filter, find_envoy, load_envoy_config
 
 PAIRS = [("envoy.yaml", "llm-extproc.yaml"), ("endpoint-picker.yaml", "llm-extproc-endpoint.yaml")]
 

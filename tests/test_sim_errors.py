@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from extproc.lab.engines import SimEngine
-from extproc.lab.engines.profiles import PROFILES
+from extproc_lab.engines import SimEngine
+from extproc_lab.engines.profiles import PROFILES
 
 
 @pytest.fixture(params=["fixed-cost", "engine-model"])

@@ -1,4 +1,4 @@
-"""Behaviour of the simulated engine model (extproc.lab.engines.model), its profiles and its tokenizer.
+"""Behaviour of the simulated engine model (extproc_lab.engines.model), its profiles and its tokenizer.
 
 The model runs in virtual time: each test drives it with a small loop that calls step(now) again at
 now + duration. The `test` profile (32 blocks of 4 tokens, 4 sequences, 32 tokens per step) makes
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from extproc.lab.engines.model import EngineModel, FinishedEvent, StepResult
-from extproc.lab.engines.profiles import PROFILES, TEST, GpuProfile
-from extproc.lab.engines.tokens import chat_to_tokens, tokenize
+from extproc_lab.engines.model import EngineModel, FinishedEvent, StepResult
+from extproc_lab.engines.profiles import PROFILES, TEST, GpuProfile
+from extproc_lab.engines.tokens import chat_to_tokens, tokenize
 
 H100 = PROFILES["h100-llama3-8b"]
 A10G = PROFILES["a10g-llama3-8b"]

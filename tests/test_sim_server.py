@@ -9,10 +9,10 @@ import aiohttp
 import orjson
 import pytest
 
-from extproc.lab.engines import SimEngine
-from extproc.lab.engines.profiles import PROFILES
-from extproc.lab.engines.tokens import chat_to_tokens
 from extproc.publishers.engines import normalize
+from extproc_lab.engines import SimEngine
+from extproc_lab.engines.profiles import PROFILES
+from extproc_lab.engines.tokens import chat_to_tokens
 
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 60
 
@@ -154,7 +154,7 @@ async def test_an_engine_that_counts_differently_says_so_in_its_counters() -> No
     """`token_scale`: the engine's own tokenizer counts fewer tokens than the built-in one (words of
     3-9 letters against ~4 bytes each); its render endpoint, its usage and its prompt-token counter
     all say the engine's count, which is what a router's calibration reads."""
-    from extproc.lab.engines.tokens import Recount
+    from extproc_lab.engines.tokens import Recount
 
     text = " ".join(f"w{i}x{i * 7}" for i in range(400))
     e = SimEngine("e0", "m", profile=PROFILES["h100-llama3-8b"], time_scale=20.0, token_scale=0.5)

@@ -18,7 +18,6 @@ import redis.asyncio as aioredis
 
 from extproc.config import SyncSettings, config_from_dict
 from extproc.fleet import RemoteInFlight, Upstream
-from extproc.lab.stack import RedisProcess
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai.parse import parse_head
 from extproc.scheduling.predicted_ttft import SENT_WINDOW_S, PredictedTtftScorer
@@ -26,6 +25,7 @@ from extproc.scheduling.prefix import PrefixAffinityScorer
 from extproc.server.sync import MAX_COUNT, ReplicaSync
 from extproc.settings import ConfigError, RedisSettings
 from extproc.telemetry import Metrics
+from extproc_lab.stack import RedisProcess
 
 # The names this change adds are imported where a test needs them, so that on the code before it
 # each test fails on what it checks, not the whole module on an import.

@@ -21,10 +21,10 @@ import aiohttp
 import orjson
 import pytest
 
-from extproc.lab.bench.scenarios import MODEL, _n_cluster_gateway, start_publisher, wait_published
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import LocalGateway, local_redis
 from extproc.publishers.publisher import InstanceSpec
+from extproc_lab.bench.scenarios import MODEL, _n_cluster_gateway, start_publisher, wait_published
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import LocalGateway, local_redis
 
 pytestmark = [
     pytest.mark.envoy,

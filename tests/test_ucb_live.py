@@ -1,7 +1,7 @@
 """The slowdown target live (issue 11): real Envoy + llm-extproc + redis-server + publisher over four
 simulated engines, one slowed 3x mid-run and then restored; `latency-ucb` (with `least-outstanding`)
 moves traffic away and back, while Envoy's round robin, in the same run, does not react (the contrast
-that shows the check can fail). A shorter run than `python -m extproc.lab.bench.ucb_live`, whose
+that shows the check can fail). A shorter run than `python -m extproc_lab.bench.ucb_live`, whose
 figures are in docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.lab.bench.ucb_live import Timeline, run
+from extproc_lab.bench.ucb_live import Timeline, run
 
 pytestmark = [
     pytest.mark.envoy,

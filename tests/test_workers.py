@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 from gateway_stack import MODEL, service_config, wait_until
 
-from extproc.lab.engines import EngineGroup
-from extproc.lab.stack import LocalGateway, RedisProcess
 from extproc.server.workers import Supervisor, offset_port
+from extproc_lab.engines import EngineGroup
+from extproc_lab.stack import LocalGateway, RedisProcess
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 ROUTED = "llm_extproc_requests_total{"

@@ -273,7 +273,7 @@ ENGINE_METRICS: dict[str, EngineMetrics] = {
     "tgi": _TGI,
     "trtllm": _TRTLLM,
     "trtllm-serve": _TRTLLM_SERVE,
-    "sim": _VLLM,  # extproc.lab.engines speaks exactly vLLM's names
+    "sim": _VLLM,  # extproc_lab.engines speaks exactly vLLM's names
 }
 
 # Generic rules, not per engine: fractions and sizes take the max over series, counts the sum.

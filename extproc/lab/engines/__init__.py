@@ -1,6 +1,0 @@
-"""Simulated GPU engines: OpenAI-compatible HTTP servers that stand in for real model servers."""
-
-from extproc.lab.engines.group import EngineGroup
-from extproc.lab.engines.server import SimEngine
-
-__all__ = ["EngineGroup", "SimEngine"]
