@@ -133,7 +133,7 @@ def warn_credentials_in_argv(flag: str, url: str | None) -> bool:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from extproc.publishers.publisher import Publisher, load_publisher_config
+    from extproc.publishers import Publisher, load_publisher_config
 
     warn_credentials_in_argv("--redis-url", args.redis_url)
     config = load_publisher_config(

@@ -31,9 +31,9 @@ import pytest
 import yaml
 
 from extproc.config import config_from_dict
+from extproc.publishers import load_publisher_config
 from extproc.publishers.engines import ENGINE_METRICS
 from extproc.publishers.metrics import PublisherMetrics
-from extproc.publishers.publisher import load_publisher_config
 from extproc.settings import (
     DEFAULT_SHUTDOWN_ANNOUNCE_S,
     ENVOY_EXTPROC_HC_INTERVAL_S,

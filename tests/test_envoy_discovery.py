@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from extproc.publishers.publisher import discover_from_envoy
+from extproc.publishers import discover_from_envoy
 from extproc_lab.stack import (
     ENVOY_DIR,
     EnvoyProcess,

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from gateway_stack import MODEL, Stack, service_config, wait_until
 
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import RedisSettings
 from extproc_lab.engines import EngineGroup
 from extproc_lab.stack import ENVOY_DIR, RedisProcess

@@ -18,7 +18,7 @@ import orjson
 import pytest
 from gateway_stack import MODEL, Stack, service_config
 
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import RedisSettings
 from extproc_lab.engines import EngineGroup
 from extproc_lab.stack import RedisProcess

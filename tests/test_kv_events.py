@@ -34,6 +34,7 @@ from extproc.fleet.kv_index import (
 )
 from extproc.fleet.view import KvHeld
 from extproc.openai.parse import Api, InferenceRequest
+from extproc.publishers import Publisher, load_publisher_config
 from extproc.publishers.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -47,7 +48,6 @@ from extproc.publishers.kv_events import (
     encode_batch,
     kv_events_spec,
 )
-from extproc.publishers.publisher import Publisher, load_publisher_config
 from extproc.scheduling.cache_model import CacheModel, Placement
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.server.app import start

@@ -28,15 +28,10 @@ from extproc.fleet import ClusterSpec, FleetView, InstanceState, Load, Pool, Rou
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import validate
 from extproc.openai import InferenceRequest
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
+from extproc.publishers.config import instance_from_dict
 from extproc.publishers.engines import EngineLoad, normalize, normalize_dcgm
-from extproc.publishers.publisher import (
-    InstanceSpec,
-    Publisher,
-    PublisherConfig,
-    _fill_load,
-    _Previous,
-    instance_from_dict,
-)
+from extproc.publishers.snapshot_fields import _fill_load, _Previous
 from extproc.scheduling import build_filter, build_scorer
 from extproc.scheduling.gpu import GpuUtilizationScorer
 from extproc.scheduling.latency import LatencyUcbScorer

@@ -14,16 +14,10 @@ import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import decode
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig, load_publisher_config
+from extproc.publishers.config import instance_from_dict
 from extproc.publishers.engines import EngineLoad
-from extproc.publishers.publisher import (
-    InstanceSpec,
-    Publisher,
-    PublisherConfig,
-    _fill_load,
-    _Previous,
-    instance_from_dict,
-    load_publisher_config,
-)
+from extproc.publishers.snapshot_fields import _fill_load, _Previous
 from extproc.settings import RedisSettings
 from extproc_lab.engines import SimEngine
 from extproc_lab.engines.profiles import A10G_LLAMA3_8B
@@ -756,7 +750,7 @@ async def test_tick_writes_each_instance_when_its_own_scrape_ends() -> None:
 
 
 async def test_an_instance_whose_scrape_raises_costs_only_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    from extproc.publishers import publisher as module
+    from extproc.publishers import scrape as module
 
     real = module.normalize
 

@@ -31,7 +31,7 @@ from aiohttp import web
 from extproc.fleet import ClusterSpec, FleetView, Pool, RoutingMode
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.snapshots import decode
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import RedisSettings
 from extproc_lab.engines import SimEngine
 from extproc_lab.stack import RedisProcess, free_port

@@ -34,8 +34,8 @@ import yaml
 from aiohttp import web
 
 from extproc.fleet import snapshot_pb2 as spb
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig, load_publisher_config
 from extproc.publishers.engines import normalize
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig, load_publisher_config
 from extproc.settings import ConfigError, RedisSettings
 from extproc_lab.engines import SimEngine
 from extproc_lab.stack import RedisProcess
@@ -228,7 +228,7 @@ async def test_a_16_mib_metrics_page_costs_only_its_own_engine(
 
 async def test_the_read_stops_at_the_cap(servers: Servers) -> None:
     """The body is read no further than the cap (plus what aiohttp buffers ahead), not to its end."""
-    from extproc.publishers.publisher import _read_capped
+    from extproc.publishers.scrape import _read_capped
 
     address = await servers.start({"/metrics": _streamed(vllm_page(16 * MIB).encode())})
     async with aiohttp.ClientSession() as session, session.get(f"http://{address}/metrics") as r:

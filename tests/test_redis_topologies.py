@@ -18,7 +18,7 @@ from gateway_stack import MODEL, Stack, service_config, wait_until
 
 from extproc.fleet.redis_feed import redis_client, redis_pubsub_client, write_and_publish
 from extproc.lifecycle import RequestLifecycle
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
 from extproc.settings import ConfigError, RedisSettings, redis_settings, redis_topology
 from extproc_lab.engines import EngineGroup
 from extproc_lab.stack import RedisProcess

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import pytest
 
-from extproc.publishers.publisher import InstanceSpec
+from extproc.publishers import InstanceSpec
 from extproc_lab.bench.scenarios import MODEL, _n_cluster_gateway, start_publisher, wait_published
 from extproc_lab.engines import EngineGroup
 from extproc_lab.stack import LocalGateway, local_redis

@@ -16,282 +16,54 @@ import contextlib
 import functools
 import logging
 import math
-import os
-import socket
 import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
-import yaml
 
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.gpus import MAX_GPU_NAME
-from extproc.fleet.pool import parse_endpoint
 from extproc.fleet.redis_feed import redis_client, write_and_publish
-from extproc.fleet.snapshots import (
-    MAX_BLOCK_SIZE,
-    MAX_COUNTER,
-    MAX_ID_LEN,
-    MAX_KV_BLOCKS,
-    MAX_KV_USAGE,
-    MAX_LATENCY_S,
-    MAX_LORA_SLOTS,
-    MAX_MODEL_LEN,
-    MAX_MODELS,
-    MAX_QUEUE,
+from extproc.publishers.config import (
+    InstanceSpec,
+    PublisherConfig,
 )
 from extproc.publishers.engines import (
-    ENGINE_METRICS,
     EngineLoad,
     GpuReading,
     ParseTimeout,
-    normalize,
-    normalize_dcgm,
 )
-from extproc.publishers.kv_events import KvEventsRelay, KvEventsSpec, kv_events_spec
+from extproc.publishers.envoy_admin import (
+    discover_from_envoy,
+)
+from extproc.publishers.kv_events import KvEventsRelay
 from extproc.publishers.metrics import MetricsEndpoint, PublisherMetrics
-from extproc.publishers.prefill_rate import PrefillRate
+from extproc.publishers.scrape import (
+    _T,
+    PARSE_WORKERS,
+    ScrapeResult,
+    _parse_dcgm,
+    _parse_engine,
+    _read_capped,
+    _redirect_message,
+)
+from extproc.publishers.snapshot_fields import (
+    LOAD_FIELDS,
+    _apply_gpu,
+    _fill_load,
+    _names,
+    _Previous,
+)
 from extproc.settings import (
-    DEFAULT_DISCOVERY_INTERVAL_S,
-    DEFAULT_PUBLISH_INTERVAL_S,
-    DEFAULT_SCRAPE_TIMEOUT_S,
     DISCOVERY_TIMEOUT_S,
-    ENV_REDIS_PASSWORD,
     MAX_HEALTH_BYTES,
-    MAX_METRICS_BYTES,
-    MAX_TTL_MS,
-    MIN_TTL_MS,
     PUBLISH_WRITE_TIMEOUT_S,
-    SCRAPE_TIMEOUT_SHARE,
-    ConfigError,
-    RedisSettings,
-    check_keys,
-    listen_address,
-    mapping,
-    number,
-    redis_settings,
-    string_list,
 )
 
 log = logging.getLogger("extproc.publisher")
-
-METADATA_NAMESPACE = "llm-extproc"
-LOAD_FIELDS = ("num_running", "num_waiting", "kv_cache_usage")  # any one of them makes a load signal
-
-# Largest /metrics (or DCGM) page read, by default. A vLLM page is ~100-300 KB; parsing 2 MiB of
-# vLLM-like exposition takes ~0.6-1 s of one core here, which the scrape deadline still cuts short.
-# 16 MiB (~6 s of parsing) let one engine's page outlast the snapshots' TTL. Configurable up to
-# MAX_METRICS_BYTES (`max_metrics_bytes`); a page above the cap is a failed scrape, read no further.
-DEFAULT_MAX_METRICS_BYTES = 2 * 1024 * 1024
-MIN_METRICS_BYTES = 4096
-# Threads that parse scrapes. Parsing runs off the event loop so the loop keeps scraping and writing
-# the other instances on schedule; a few threads so one slow page does not queue every other parse
-# behind it (they still share the GIL with the loop: the byte cap and the deadline bound them).
-PARSE_WORKERS = 4
-_T = TypeVar("_T")
-
-
-@dataclass(slots=True)
-class InstanceSpec:
-    cluster: str
-    address: str
-    engine: str = "vllm"
-    models: tuple[str, ...] = ()
-    capacity_weight: float = 1.0
-    draining: bool = False
-    metrics_path: str = ""  # "" means the engine's own default (e.g. /prometheus/metrics for trtllm-serve)
-    health_path: str = "/health"
-    # An NVIDIA DCGM exporter that sees this instance's GPUs (e.g. "http://{host}:9400/metrics";
-    # {host} is the instance's IP), and which of its GPUs are this instance's (`gpu` indices or UUIDs;
-    # empty: all of them). "" : no GPU figures beyond what the engine itself publishes.
-    dcgm_url: str = ""
-    dcgm_gpus: tuple[str, ...] = ()
-    # The GPU's name, e.g. "NVIDIA H100 80GB HBM3" or "A10G" (published as gpu_model: the service's
-    # prefill-speed prior until the rate is measured, fleet/gpus.py). "": DCGM's modelName, if any.
-    gpu: str = ""
-    # The engine's KV-cache events (vLLM/SGLang ZMQ PUB): subscribed, mapped to the service's prefix
-    # index blocks and published to Redis (publishers/kv_events.py). None: no events.
-    kv_events: KvEventsSpec | None = None
-
-    def __post_init__(self) -> None:
-        if not self.metrics_path:
-            row = ENGINE_METRICS.get(self.engine)
-            self.metrics_path = row.metrics_path if row is not None else "/metrics"
-
-    @property
-    def upstream_id(self) -> str:
-        return f"{self.cluster}/{self.address}"
-
-    def url(self, path: str) -> str:
-        return f"http://{self.address}{path}"
-
-    def dcgm(self) -> str:
-        """The DCGM exporter's URL with {host} filled in ("" when none is configured)."""
-        host = self.address.rpartition(":")[0]
-        return self.dcgm_url.replace("{host}", host)
-
-
-@dataclass(slots=True)
-class PublisherConfig:
-    redis: RedisSettings
-    instances: list[InstanceSpec] = field(default_factory=list)
-    envoy_admin: str | None = None
-    interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
-    ttl_s: float | None = None
-    discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
-    scrape_timeout_s: float | None = None  # None: derived from the interval (scrape_deadline_s)
-    metrics_listen: str | None = None  # host:port for the publisher's own /metrics; None: off
-    max_metrics_bytes: int = DEFAULT_MAX_METRICS_BYTES  # larger /metrics pages are failed scrapes
-    publisher_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-
-    @property
-    def ttl_ms(self) -> int:
-        return int((self.ttl_s if self.ttl_s is not None else max(3 * self.interval_s, 2.0)) * 1000)
-
-    @property
-    def scrape_deadline_s(self) -> float:
-        """One instance's whole scrape (health + metrics + parsing) must end within this: inside one
-        interval."""
-        if self.scrape_timeout_s is not None:
-            return self.scrape_timeout_s
-        return min(DEFAULT_SCRAPE_TIMEOUT_S, SCRAPE_TIMEOUT_SHARE * self.interval_s)
-
-    def check(self) -> None:
-        """A scrape that may outlast the interval would make every snapshot of that instance late; a
-        page cap beyond MAX_METRICS_BYTES would let one engine's page cost seconds of parsing."""
-        cap = self.max_metrics_bytes
-        if (
-            isinstance(cap, bool)
-            or not isinstance(cap, int)
-            or not MIN_METRICS_BYTES <= cap <= MAX_METRICS_BYTES
-        ):
-            raise ConfigError(
-                f"publisher: 'max_metrics_bytes' must be an integer number of bytes from "
-                f"{MIN_METRICS_BYTES} to {MAX_METRICS_BYTES}, got {cap!r} "
-                f"(default {DEFAULT_MAX_METRICS_BYTES}: 2 MiB)"
-            )
-        if self.scrape_timeout_s is not None and self.scrape_timeout_s >= self.interval_s:
-            raise ConfigError(
-                f"publisher: 'scrape_timeout_s' ({self.scrape_timeout_s:g}) must be below 'interval_s' "
-                f"({self.interval_s:g}); leave it unset for min({DEFAULT_SCRAPE_TIMEOUT_S:g} s, "
-                f"{SCRAPE_TIMEOUT_SHARE:g} x interval)"
-            )
-
-
-@dataclass(slots=True)
-class _Previous:
-    """What one instance's earlier scrapes left behind: readiness history and cumulative counters."""
-
-    ready_seen: bool = False
-    readiness: int | None = None  # the last published state, to log changes
-    ttft: tuple[float, float] | None = None
-    tpot: tuple[float, float] | None = None
-    prefix: tuple[float, float] | None = None
-    prefill: PrefillRate = field(default_factory=PrefillRate)
-
-
-@dataclass(slots=True)
-class ScrapeResult:
-    """One scrape of one instance. `outcome` is a metric label; `detail` becomes readiness_reason;
-    `message`, when set, is what an operator must read (logged once while the problem lasts)."""
-
-    health: int | None = None
-    load: EngineLoad | None = None
-    outcome: str = "ok"
-    detail: str = ""
-    message: str = ""
-
-
-def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
-    if (
-        not isinstance(raw, dict)
-        or not isinstance(raw.get("cluster"), str)
-        or not isinstance(raw.get("address"), str)
-    ):
-        raise ConfigError("publisher: each instance needs string 'cluster' and 'address' (ip:port)")
-    check_keys(raw, InstanceSpec.__dataclass_fields__, f"publisher: instance {raw['address']}")
-    try:
-        parse_endpoint(raw["address"])
-    except ValueError as exc:
-        raise ConfigError(f"publisher: {exc}") from None
-    engine = raw.get("engine", "vllm")
-    if engine not in ENGINE_METRICS:
-        raise ConfigError(f"publisher: unknown engine '{engine}' (known: {sorted(ENGINE_METRICS)})")
-    models = string_list(raw.get("models", []), "publisher: 'models'")
-    weight = number(raw.get("capacity_weight", 1.0), "publisher: 'capacity_weight'", positive=True)
-    dcgm_url, dcgm_gpus = _dcgm_settings(raw)
-    gpu = raw.get("gpu", "")
-    if not isinstance(gpu, str) or len(gpu) > MAX_GPU_NAME or not gpu.isprintable():
-        raise ConfigError(f"publisher: 'gpu' must be a GPU name of at most {MAX_GPU_NAME} characters")
-    return InstanceSpec(
-        cluster=raw["cluster"],
-        address=raw["address"],
-        engine=engine,
-        models=tuple(models),
-        capacity_weight=weight,
-        draining=bool(raw.get("draining", False)),
-        metrics_path=str(raw.get("metrics_path") or ENGINE_METRICS[engine].metrics_path),
-        health_path=str(raw.get("health_path", "/health")),
-        dcgm_url=dcgm_url,
-        dcgm_gpus=dcgm_gpus,
-        gpu=gpu,
-        kv_events=kv_events_spec(raw.get("kv_events"), f"publisher: instance {raw['address']}"),
-    )
-
-
-def _dcgm_settings(raw: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    """`dcgm_url` (http(s)://..., "{host}" allowed) and `dcgm_gpus` (GPU indices or UUIDs)."""
-    where = f"publisher: instance {raw['address']}"
-    url = raw.get("dcgm_url") or ""
-    if not isinstance(url, str) or (url and not url.startswith(("http://", "https://"))):
-        raise ConfigError(f"{where}: 'dcgm_url' must be an http:// or https:// URL")
-    gpus = raw.get("dcgm_gpus", [])
-    if not isinstance(gpus, list) or not all(
-        isinstance(g, str | int) and not isinstance(g, bool) for g in gpus
-    ):
-        raise ConfigError(f"{where}: 'dcgm_gpus' must be a list of GPU indices or UUIDs")
-    return url, tuple(str(g) for g in gpus)
-
-
-# Bounds of the publisher's timing settings (readers reject snapshots whose TTL is out of range:
-# fail here, not silently there).
-_TIMINGS = (
-    ("interval_s", 0.01, 3600.0),
-    ("ttl_s", MIN_TTL_MS / 1000, MAX_TTL_MS / 1000),
-    ("discovery_interval_s", 0.1, 86400.0),
-    ("scrape_timeout_s", 0.005, 600.0),
-)
-
-
-def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig:
-    raw: dict[str, Any] = {}
-    if path:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
-    raw.update({k: v for k, v in overrides.items() if v is not None})
-    redis_raw = dict(mapping(raw.pop("redis", None), "publisher: 'redis'"))
-    for key in ("url", "pool", "key_prefix", "username", "password"):
-        if f"redis_{key}" in raw:
-            redis_raw[key] = raw.pop(f"redis_{key}")
-    redis = redis_settings(redis_raw, "publisher: 'redis'", password_env=ENV_REDIS_PASSWORD)
-    instances = [instance_from_dict(i) for i in raw.pop("instances", []) or []]
-    check_keys(raw, set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"}, "publisher")
-    for key, low, high in _TIMINGS:
-        if raw.get(key) is not None:
-            raw[key] = number(raw[key], f"publisher: '{key}'", minimum=low, maximum=high)
-    if raw.get("metrics_listen") is not None:
-        raw["metrics_listen"] = listen_address(raw["metrics_listen"], "publisher: 'metrics_listen'")
-    cfg = PublisherConfig(redis=redis, instances=instances, **raw)
-    if not cfg.instances and not cfg.envoy_admin:
-        raise ConfigError("publisher: give 'instances' or 'envoy_admin' (Envoy admin URL for discovery)")
-    cfg.check()
-    return cfg
 
 
 class Publisher:
@@ -761,44 +533,6 @@ class Publisher:
         return True
 
 
-async def _read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes | None:
-    """The whole body, or None as soon as it is known to exceed `cap` bytes (read no further; closing
-    the response then drops the connection). aiohttp's read(n) returns what is buffered, up to n
-    bytes, hence the loop (a single read used to parse only the first ~128 KB of a larger page)."""
-    declared = response.content_length
-    if declared is not None and declared > cap and not response.headers.get("Content-Encoding"):
-        return None
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await response.content.read(cap + 1 - size)
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > cap:
-            return None
-        chunks.append(chunk)
-
-
-def _redirect_message(path: str, response: aiohttp.ClientResponse) -> str:
-    """Why a 3xx is a failed scrape: following it would send the publisher wherever the engine says."""
-    location = response.headers.get("Location", "")[:200]
-    return (
-        f"{path} answered {response.status} (Location {location!r}); the publisher does not follow "
-        f"redirects: point the instance's path at the page itself"
-    )
-
-
-def _parse_engine(engine: str, body: bytes, *, deadline: float) -> EngineLoad:
-    """Decode and normalise one /metrics page (runs in a parse thread)."""
-    return normalize(engine, body.decode("utf-8", errors="replace"), deadline=deadline)
-
-
-def _parse_dcgm(body: bytes, gpus: tuple[str, ...], *, deadline: float) -> GpuReading:
-    """Decode and read one DCGM exporter page (runs in a parse thread)."""
-    return normalize_dcgm(body.decode("utf-8", errors="replace"), gpus, deadline=deadline)
-
-
 def _describe(specs: list[InstanceSpec]) -> str:
     """`gpu-a/10.0.0.1:8000 (vllm: llama)`, comma separated, for log lines."""
     return (
@@ -807,192 +541,3 @@ def _describe(specs: list[InstanceSpec]) -> str:
         )
         or "none"
     )
-
-
-def _checked(name: str, value: float | None, high: float, rejected: list[tuple[str, str]]) -> float | None:
-    """`value` if it is a finite number in [0, high]; otherwise None, with the reason recorded."""
-    if value is None:
-        return None
-    if math.isnan(value):
-        reason = "nan"
-    elif math.isinf(value):
-        reason = "infinite"
-    elif value < 0:
-        reason = "negative"
-    elif value > high:
-        reason = "too_large"
-    else:
-        return value
-    rejected.append((name, reason))
-    return None
-
-
-def _names(values: list[str], name: str, rejected: list[tuple[str, str]]) -> list[str]:
-    """Model or adapter names readers accept: non-empty, at most MAX_ID_LEN long, at most MAX_MODELS
-    of them (more: the whole list is left out, so a reader falls back to its configured models)."""
-    out = []
-    for v in values:
-        if not v or len(v) > MAX_ID_LEN:
-            rejected.append((name, "bad_name"))
-        else:
-            out.append(v)
-    if len(out) > MAX_MODELS:
-        rejected.append((name, "too_many"))
-        return []
-    return out
-
-
-def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) -> list[tuple[str, str]]:
-    """Copy `load` into `snap` within the bounds readers accept, leaving out (unknown) what is not;
-    returns every (field, reason) left out, the engine-side rejections included. This is the last
-    gate before protobuf, whose own range errors (a uint64 overflow) must never be reached."""
-    rejected = list(load.rejected)
-    running = _checked("num_running", load.num_running, MAX_QUEUE, rejected)
-    if running is not None:
-        snap.num_running = int(running)
-    waiting = _checked("num_waiting", load.num_waiting, MAX_QUEUE, rejected)
-    if waiting is not None:
-        snap.num_waiting = int(waiting)
-    usage = _checked("kv_cache_usage", load.kv_cache_usage, MAX_KV_USAGE, rejected)
-    total = _checked("kv_blocks_total", load.kv_blocks_total, MAX_KV_BLOCKS, rejected)
-    free = _checked("kv_blocks_free", load.kv_blocks_free, MAX_KV_BLOCKS, rejected)
-    if free is not None and total is not None and free > total:
-        rejected.append(("kv_blocks_free", "above_total"))
-        free = None
-    if usage is None and total and free is not None:
-        usage = 1.0 - free / total
-    if usage is not None:
-        snap.kv_cache_usage = usage
-    if total:
-        if free is None and usage is not None:
-            free = round(total * (1.0 - min(1.0, usage)))
-        snap.kv_blocks_total = int(total)
-        snap.kv_blocks_free = int(min(free or 0, total))
-    block_size = _checked("block_size", load.block_size, MAX_BLOCK_SIZE, rejected)
-    if block_size is not None:
-        snap.block_size = int(block_size)
-    max_len = _checked("max_model_len", load.max_model_len, MAX_MODEL_LEN, rejected)
-    if max_len is not None:
-        snap.max_model_len = int(max_len)
-    gpu = _checked("gpu_utilization", load.gpu_utilization, MAX_KV_USAGE, rejected)
-    if gpu is not None:
-        snap.gpu_utilization = min(gpu, 1.0)  # readers take 0..1 (a sampled percent may read 100+)
-    memory = _checked("gpu_memory_usage", load.gpu_memory_usage, MAX_KV_USAGE, rejected)
-    if memory is not None:
-        snap.gpu_memory_usage = min(memory, 1.0)
-    slots = _checked("max_lora", load.max_lora, MAX_LORA_SLOTS, rejected)
-    if slots is not None:
-        snap.max_lora = int(slots)
-    ttft, prev.ttft = _interval_mean(load.ttft_sum, load.ttft_count, prev.ttft)
-    ttft = _checked("ttft", ttft, MAX_LATENCY_S, rejected)
-    if ttft is not None:
-        snap.ttft_seconds = ttft
-    tpot, prev.tpot = _interval_mean(load.tpot_sum, load.tpot_count, prev.tpot)
-    tpot = _checked("tpot", tpot, MAX_LATENCY_S, rejected)
-    if tpot is not None:
-        snap.tpot_seconds = tpot
-    rate, prev.prefix = _interval_mean(load.prefix_cache_hits, load.prefix_cache_queries, prev.prefix)
-    if rate is None:
-        rate = load.prefix_cache_hit_rate
-    if rate is not None and math.isfinite(rate):
-        snap.prefix_cache_hit_rate = min(1.0, max(0.0, rate))
-    # A prompt counter that includes cache hits is usable only with the hits to subtract.
-    row = ENGINE_METRICS.get(snap.engine)
-    if row is not None:
-        cached = load.prefix_cache_hits if row.prompt_tokens_cached else 0.0
-        if cached is not None:
-            prev.prefill.update(load.prompt_tokens, cached, load.prefill_seconds)
-    if prev.prefill.estimate is not None:  # the last figure stands while nothing new is measured
-        snap.prefill_tokens_per_s = prev.prefill.estimate
-    # The counters readers calibrate against (scheduling/calibration.py): every prompt token, cached
-    # ones included (vLLM's prompt counter; SGLang's, which the table reads as prefix-cache queries),
-    # and the TTFT histogram's count and sum, as cumulative values.
-    prompt = load.prompt_tokens if row is not None and row.prompt_tokens_cached else None
-    if prompt is None:
-        prompt = load.prefix_cache_queries
-    prompt = _checked("prompt_tokens_total", prompt, MAX_COUNTER, rejected)
-    first = _checked("first_tokens_total", load.ttft_count, MAX_COUNTER, rejected)
-    ttft_total = _checked("ttft_seconds_total", load.ttft_sum, MAX_COUNTER, rejected)
-    if first is not None and ttft_total is not None:
-        snap.first_tokens_total, snap.ttft_seconds_total = first, ttft_total
-        if prompt is not None:
-            snap.prompt_tokens_total = prompt
-    return rejected
-
-
-def _apply_gpu(load: EngineLoad, reading: GpuReading) -> None:
-    """DCGM's figures replace the engine's own (Triton's nv_gpu_utilization): the operator chose them."""
-    if reading.utilization is not None:
-        load.gpu_utilization = reading.utilization
-    if reading.memory_usage is not None:
-        load.gpu_memory_usage = reading.memory_usage
-    if reading.model is not None:
-        load.gpu_model = reading.model
-    load.rejected.extend(reading.rejected)
-
-
-def _interval_mean(
-    total: float | None, count: float | None, prev: tuple[float, float] | None
-) -> tuple[float | None, tuple[float, float] | None]:
-    """Mean over the last interval from cumulative (sum, count); None until two scrapes or no change."""
-    if total is None or count is None:
-        return None, prev
-    now = (total, count)
-    if prev is None or count < prev[1]:  # first scrape, or the engine restarted
-        return None, now
-    dc = count - prev[1]
-    return ((total - prev[0]) / dc if dc > 0 else None), now
-
-
-async def discover_from_envoy(session: aiohttp.ClientSession, admin: str) -> list[InstanceSpec]:
-    """Instances of every Envoy cluster tagged with `llm-extproc` filter metadata, with current hosts."""
-    async with session.get(f"{admin}/config_dump", params={"resource": "static_clusters"}) as r:
-        dump = await r.json(content_type=None)
-    async with session.get(f"{admin}/config_dump", params={"resource": "dynamic_active_clusters"}) as r:
-        dynamic = await r.json(content_type=None) if r.status == 200 else {"configs": []}
-    tagged: dict[str, dict[str, Any]] = {}
-    for entry in dump.get("configs", []) + dynamic.get("configs", []):
-        cluster = entry.get("cluster", {})
-        meta = cluster.get("metadata", {}).get("filter_metadata", {}).get(METADATA_NAMESPACE)
-        if isinstance(meta, dict) and isinstance(cluster.get("name"), str):
-            tagged[cluster["name"]] = meta
-    async with session.get(f"{admin}/clusters", params={"format": "json"}) as r:
-        status = await r.json(content_type=None)
-    out: list[InstanceSpec] = []
-    for cs in status.get("cluster_statuses", []):
-        meta = tagged.get(cs.get("name"))
-        if meta is None:
-            continue
-        for host in cs.get("host_statuses", []):
-            sock = host.get("address", {}).get("socket_address", {})
-            if "address" not in sock or "port_value" not in sock:
-                continue
-            eds = host.get("health_status", {}).get("eds_health_status")
-            try:
-                out.append(
-                    instance_from_dict(
-                        {
-                            **{
-                                k: meta[k]
-                                for k in (
-                                    "engine",
-                                    "models",
-                                    "capacity_weight",
-                                    "metrics_path",
-                                    "health_path",
-                                    "dcgm_url",
-                                    "dcgm_gpus",
-                                    "gpu",
-                                    "kv_events",
-                                )
-                                if k in meta
-                            },
-                            "cluster": cs["name"],
-                            "address": f"{sock['address']}:{sock['port_value']}",
-                            "draining": eds == "DRAINING",
-                        }
-                    )
-                )
-            except ValueError as exc:
-                log.warning("envoy discovery: skipping a host of %s: %s", cs.get("name"), exc)
-    return out

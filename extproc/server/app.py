@@ -369,28 +369,38 @@ async def start(config: ServiceConfig, *, role: str = "main") -> RunningService:
         len(config.pool.clusters),
         ", ".join(config.pool.models()) or "*",
     )
-    running = RunningService(
-        server, port, health_servicer, lifecycle, metrics, metrics_server, feed, sweeper, relay
-    )
-    running.sync = sync
+    kv_index = None
     if config.fleet is not None:  # engines' KV events, where a publisher maps them (fleet/kv_index.py)
-        running.kv_index = KvIndexFeed(config.fleet, KvIndex(), metrics)
-        lifecycle.state.kv = running.kv_index.index
-        running.kv_index.start()
-    probes.running = running
-    running.heartbeat = asyncio.get_running_loop().create_task(probes.beat_forever())
-    running.discovery = _discovery(config, metrics)
+        kv_index = KvIndexFeed(config.fleet, KvIndex(), metrics)
+        lifecycle.state.kv = kv_index.index
+        kv_index.start()
+    discovery = _discovery(config, metrics)
     states = HealthStates(
         health_servicer,
         probes.live,
         probes.ready,
-        lambda: _can_pick(config, running.discovery),
+        lambda: _can_pick(config, discovery),
         ("", EXT_PROC_SERVICE),
     )
-    await states.update()
-    running.health_updates = asyncio.get_running_loop().create_task(
-        supervised("health-updates", states.run_forever)
+    loop = asyncio.get_running_loop()
+    running = RunningService(
+        server=server,
+        port=port,
+        health=health_servicer,
+        lifecycle=lifecycle,
+        metrics=metrics,
+        metrics_server=metrics_server,
+        feed=feed,
+        sweeper=sweeper,
+        relay=relay,
+        heartbeat=loop.create_task(probes.beat_forever()),
+        sync=sync,
+        discovery=discovery,
+        health_updates=loop.create_task(supervised("health-updates", states.run_forever)),
+        kv_index=kv_index,
     )
+    probes.running = running
+    await states.update()  # the health names as the probes now answer (serving)
     return running
 
 

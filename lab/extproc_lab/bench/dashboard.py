@@ -259,7 +259,7 @@ async def collect(*, seconds: float, rate: float, scrape_s: float, workdir: Path
     import aiohttp
 
     from extproc.fleet.redis_feed import RedisSettings
-    from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+    from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
     from extproc_lab.bench.loadgen import open_loop
     from extproc_lab.bench.scenarios import MODEL, _n_cluster_gateway
     from extproc_lab.bench.workloads import make_workload

@@ -264,7 +264,7 @@ async def run_fleet_bench(out_dir: Path = Path("out/fleet")) -> int:
 async def outage_latency(requests: int = 600, out_dir: Path = Path("out/fleet")) -> dict[str, float]:
     """Request latency through real Envoy + service with Redis up, then right after Redis is stopped
     (snapshots still fresh): the request path must not notice the outage."""
-    from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+    from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
     from extproc_lab.bench.loadgen import closed_loop
     from extproc_lab.bench.report import summarize
     from extproc_lab.engines import EngineGroup

@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.publishers.publisher import InstanceSpec
+from extproc.publishers import InstanceSpec
 from extproc_lab.bench.lora_latency import LORA_PROFILE
 from extproc_lab.bench.scenarios import MODEL, _n_cluster_gateway, start_publisher, wait_published
 from extproc_lab.engines import EngineGroup

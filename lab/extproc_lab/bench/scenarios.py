@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.fleet.redis_feed import RedisSettings
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
 from extproc_lab.bench.loadgen import closed_loop, open_loop
 from extproc_lab.bench.report import Report, RequestRecord, Slo, format_table, plot, summarize, write_json
 from extproc_lab.bench.workloads import make_workload

@@ -38,7 +38,7 @@ from typing import Any
 
 import aiohttp
 
-from extproc.publishers.publisher import InstanceSpec
+from extproc.publishers import InstanceSpec
 from extproc_lab.bench.scenarios import MODEL, Baselines, _n_cluster_gateway, start_publisher
 from extproc_lab.engines import EngineGroup
 from extproc_lab.stack import LocalGateway, local_redis

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from extproc.fleet.redis_feed import RedisSettings
-from extproc.publishers.publisher import InstanceSpec, Publisher, PublisherConfig
+from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
 from extproc_lab.bench.loadgen import one_request
 from extproc_lab.bench.report import RequestRecord, summarize
 from extproc_lab.bench.scenarios import MODEL, Baselines, _service_config

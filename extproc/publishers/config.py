@@ -1,0 +1,220 @@
+"""The publisher's configuration: which instances to scrape (from its YAML or Envoy's admin API),
+how often, and the limits on what it reads; validated at load (ConfigError naming the key)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.fleet.gpus import MAX_GPU_NAME
+from extproc.fleet.pool import parse_endpoint
+from extproc.publishers.engines import (
+    ENGINE_METRICS,
+)
+from extproc.publishers.kv_events import KvEventsSpec, kv_events_spec
+from extproc.settings import (
+    DEFAULT_DISCOVERY_INTERVAL_S,
+    DEFAULT_PUBLISH_INTERVAL_S,
+    DEFAULT_SCRAPE_TIMEOUT_S,
+    ENV_REDIS_PASSWORD,
+    MAX_METRICS_BYTES,
+    MAX_TTL_MS,
+    MIN_TTL_MS,
+    SCRAPE_TIMEOUT_SHARE,
+    ConfigError,
+    RedisSettings,
+    check_keys,
+    listen_address,
+    mapping,
+    number,
+    redis_settings,
+    string_list,
+)
+
+# Largest /metrics (or DCGM) page read, by default. A vLLM page is ~100-300 KB; parsing 2 MiB of
+# vLLM-like exposition takes ~0.6-1 s of one core here, which the scrape deadline still cuts short.
+# 16 MiB (~6 s of parsing) let one engine's page outlast the snapshots' TTL. Configurable up to
+# MAX_METRICS_BYTES (`max_metrics_bytes`); a page above the cap is a failed scrape, read no further.
+DEFAULT_MAX_METRICS_BYTES = 2 * 1024 * 1024
+
+
+MIN_METRICS_BYTES = 4096
+
+
+@dataclass(slots=True)
+class InstanceSpec:
+    cluster: str
+    address: str
+    engine: str = "vllm"
+    models: tuple[str, ...] = ()
+    capacity_weight: float = 1.0
+    draining: bool = False
+    metrics_path: str = ""  # "" means the engine's own default (e.g. /prometheus/metrics for trtllm-serve)
+    health_path: str = "/health"
+    # An NVIDIA DCGM exporter that sees this instance's GPUs (e.g. "http://{host}:9400/metrics";
+    # {host} is the instance's IP), and which of its GPUs are this instance's (`gpu` indices or UUIDs;
+    # empty: all of them). "" : no GPU figures beyond what the engine itself publishes.
+    dcgm_url: str = ""
+    dcgm_gpus: tuple[str, ...] = ()
+    # The GPU's name, e.g. "NVIDIA H100 80GB HBM3" or "A10G" (published as gpu_model: the service's
+    # prefill-speed prior until the rate is measured, fleet/gpus.py). "": DCGM's modelName, if any.
+    gpu: str = ""
+    # The engine's KV-cache events (vLLM/SGLang ZMQ PUB): subscribed, mapped to the service's prefix
+    # index blocks and published to Redis (publishers/kv_events.py). None: no events.
+    kv_events: KvEventsSpec | None = None
+
+    def __post_init__(self) -> None:
+        if not self.metrics_path:
+            row = ENGINE_METRICS.get(self.engine)
+            self.metrics_path = row.metrics_path if row is not None else "/metrics"
+
+    @property
+    def upstream_id(self) -> str:
+        return f"{self.cluster}/{self.address}"
+
+    def url(self, path: str) -> str:
+        return f"http://{self.address}{path}"
+
+    def dcgm(self) -> str:
+        """The DCGM exporter's URL with {host} filled in ("" when none is configured)."""
+        host = self.address.rpartition(":")[0]
+        return self.dcgm_url.replace("{host}", host)
+
+
+@dataclass(slots=True)
+class PublisherConfig:
+    redis: RedisSettings
+    instances: list[InstanceSpec] = field(default_factory=list)
+    envoy_admin: str | None = None
+    interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
+    ttl_s: float | None = None
+    discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
+    scrape_timeout_s: float | None = None  # None: derived from the interval (scrape_deadline_s)
+    metrics_listen: str | None = None  # host:port for the publisher's own /metrics; None: off
+    max_metrics_bytes: int = DEFAULT_MAX_METRICS_BYTES  # larger /metrics pages are failed scrapes
+    publisher_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+
+    @property
+    def ttl_ms(self) -> int:
+        return int((self.ttl_s if self.ttl_s is not None else max(3 * self.interval_s, 2.0)) * 1000)
+
+    @property
+    def scrape_deadline_s(self) -> float:
+        """One instance's whole scrape (health + metrics + parsing) must end within this: inside one
+        interval."""
+        if self.scrape_timeout_s is not None:
+            return self.scrape_timeout_s
+        return min(DEFAULT_SCRAPE_TIMEOUT_S, SCRAPE_TIMEOUT_SHARE * self.interval_s)
+
+    def check(self) -> None:
+        """A scrape that may outlast the interval would make every snapshot of that instance late; a
+        page cap beyond MAX_METRICS_BYTES would let one engine's page cost seconds of parsing."""
+        cap = self.max_metrics_bytes
+        if (
+            isinstance(cap, bool)
+            or not isinstance(cap, int)
+            or not MIN_METRICS_BYTES <= cap <= MAX_METRICS_BYTES
+        ):
+            raise ConfigError(
+                f"publisher: 'max_metrics_bytes' must be an integer number of bytes from "
+                f"{MIN_METRICS_BYTES} to {MAX_METRICS_BYTES}, got {cap!r} "
+                f"(default {DEFAULT_MAX_METRICS_BYTES}: 2 MiB)"
+            )
+        if self.scrape_timeout_s is not None and self.scrape_timeout_s >= self.interval_s:
+            raise ConfigError(
+                f"publisher: 'scrape_timeout_s' ({self.scrape_timeout_s:g}) must be below 'interval_s' "
+                f"({self.interval_s:g}); leave it unset for min({DEFAULT_SCRAPE_TIMEOUT_S:g} s, "
+                f"{SCRAPE_TIMEOUT_SHARE:g} x interval)"
+            )
+
+
+def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("cluster"), str)
+        or not isinstance(raw.get("address"), str)
+    ):
+        raise ConfigError("publisher: each instance needs string 'cluster' and 'address' (ip:port)")
+    check_keys(raw, InstanceSpec.__dataclass_fields__, f"publisher: instance {raw['address']}")
+    try:
+        parse_endpoint(raw["address"])
+    except ValueError as exc:
+        raise ConfigError(f"publisher: {exc}") from None
+    engine = raw.get("engine", "vllm")
+    if engine not in ENGINE_METRICS:
+        raise ConfigError(f"publisher: unknown engine '{engine}' (known: {sorted(ENGINE_METRICS)})")
+    models = string_list(raw.get("models", []), "publisher: 'models'")
+    weight = number(raw.get("capacity_weight", 1.0), "publisher: 'capacity_weight'", positive=True)
+    dcgm_url, dcgm_gpus = _dcgm_settings(raw)
+    gpu = raw.get("gpu", "")
+    if not isinstance(gpu, str) or len(gpu) > MAX_GPU_NAME or not gpu.isprintable():
+        raise ConfigError(f"publisher: 'gpu' must be a GPU name of at most {MAX_GPU_NAME} characters")
+    return InstanceSpec(
+        cluster=raw["cluster"],
+        address=raw["address"],
+        engine=engine,
+        models=tuple(models),
+        capacity_weight=weight,
+        draining=bool(raw.get("draining", False)),
+        metrics_path=str(raw.get("metrics_path") or ENGINE_METRICS[engine].metrics_path),
+        health_path=str(raw.get("health_path", "/health")),
+        dcgm_url=dcgm_url,
+        dcgm_gpus=dcgm_gpus,
+        gpu=gpu,
+        kv_events=kv_events_spec(raw.get("kv_events"), f"publisher: instance {raw['address']}"),
+    )
+
+
+def _dcgm_settings(raw: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """`dcgm_url` (http(s)://..., "{host}" allowed) and `dcgm_gpus` (GPU indices or UUIDs)."""
+    where = f"publisher: instance {raw['address']}"
+    url = raw.get("dcgm_url") or ""
+    if not isinstance(url, str) or (url and not url.startswith(("http://", "https://"))):
+        raise ConfigError(f"{where}: 'dcgm_url' must be an http:// or https:// URL")
+    gpus = raw.get("dcgm_gpus", [])
+    if not isinstance(gpus, list) or not all(
+        isinstance(g, str | int) and not isinstance(g, bool) for g in gpus
+    ):
+        raise ConfigError(f"{where}: 'dcgm_gpus' must be a list of GPU indices or UUIDs")
+    return url, tuple(str(g) for g in gpus)
+
+
+# Bounds of the publisher's timing settings (readers reject snapshots whose TTL is out of range:
+# fail here, not silently there).
+_TIMINGS = (
+    ("interval_s", 0.01, 3600.0),
+    ("ttl_s", MIN_TTL_MS / 1000, MAX_TTL_MS / 1000),
+    ("discovery_interval_s", 0.1, 86400.0),
+    ("scrape_timeout_s", 0.005, 600.0),
+)
+
+
+def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig:
+    raw: dict[str, Any] = {}
+    if path:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    redis_raw = dict(mapping(raw.pop("redis", None), "publisher: 'redis'"))
+    for key in ("url", "pool", "key_prefix", "username", "password"):
+        if f"redis_{key}" in raw:
+            redis_raw[key] = raw.pop(f"redis_{key}")
+    redis = redis_settings(redis_raw, "publisher: 'redis'", password_env=ENV_REDIS_PASSWORD)
+    instances = [instance_from_dict(i) for i in raw.pop("instances", []) or []]
+    check_keys(raw, set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"}, "publisher")
+    for key, low, high in _TIMINGS:
+        if raw.get(key) is not None:
+            raw[key] = number(raw[key], f"publisher: '{key}'", minimum=low, maximum=high)
+    if raw.get("metrics_listen") is not None:
+        raw["metrics_listen"] = listen_address(raw["metrics_listen"], "publisher: 'metrics_listen'")
+    cfg = PublisherConfig(redis=redis, instances=instances, **raw)
+    if not cfg.instances and not cfg.envoy_admin:
+        raise ConfigError("publisher: give 'instances' or 'envoy_admin' (Envoy admin URL for discovery)")
+    cfg.check()
+    return cfg
