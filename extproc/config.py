@@ -270,6 +270,18 @@ _SCALAR_KEYS = (
 )
 
 
+def _admission(raw: Any, profile: Profile) -> AdmissionSettings:
+    """`admission:`; its predicted-wait signal reads the default profile's TTFT predictor, so a
+    profile without one is refused rather than the setting silently doing nothing."""
+    settings = admission_settings(raw)
+    if settings.max_predicted_wait_s is not None and profile.predictor is None:
+        raise ConfigError(
+            "config: 'admission.max_predicted_wait_s' needs a TTFT predictor (the 'predicted-ttft' "
+            f"scorer) in the default profile '{profile.name}'"
+        )
+    return settings
+
+
 def config_from_dict(
     raw: dict[str, Any], *, base_dir: str | os.PathLike[str] | None = None, **overrides: Any
 ) -> ServiceConfig:
@@ -338,7 +350,7 @@ def config_from_dict(
         bodies=_bodies(raw.get("bodies")),
         sync=_sync(raw.get("sync"), base_dir),
         explain=explain_settings(raw.get("explain")),
-        admission=admission_settings(raw.get("admission")),
+        admission=_admission(raw.get("admission"), built[chosen]),
         engine_priority=engine_priority,
         tokenizers=tokenizers,
         fleet=fleet,

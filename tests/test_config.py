@@ -625,3 +625,16 @@ def test_redacted_url_hides_what_stands_before_the_at() -> None:
     assert redacted_url("rediss+sentinel://:p/w@h1:1,h2:2/m/0") == "rediss+sentinel://***@h1:1,h2:2/m/0"
     assert redacted_url("u:p@h:1") == "***@h:1"
     assert redacted_url("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_a_predicted_wait_without_a_predictor_is_refused() -> None:
+    """admission.max_predicted_wait_s reads the default profile's TTFT predictor: with a profile that
+    has none, the setting would do nothing, so the config is refused (it found the scorer by type
+    before, and swapping the scorer silently turned the signal off)."""
+    pool = {"clusters": [{"name": "a", "models": ["m"]}]}
+    plain = {"profiles": {"default": {"scorers": ["least-outstanding"], "picker": "max-score"}}}
+    with pytest.raises(ConfigError, match="max_predicted_wait_s' needs a TTFT predictor"):
+        config_from_dict({"pool": pool, "scheduling": plain, "admission": {"max_predicted_wait_s": 0.5}})
+    cfg = config_from_dict({"pool": pool, "admission": {"max_predicted_wait_s": 0.5}})
+    assert cfg.profile.predictor is not None
+    assert config_from_dict({"pool": pool, "scheduling": plain}).profile.predictor is None

@@ -256,3 +256,42 @@ def test_init_writes_agreeing_configs_and_refuses_to_overwrite(
     assert (target / "envoy.yaml").read_text() == "# edited\n"  # nothing lost
     assert main(["init", str(target), "--force"]) == 0
     assert (target / "envoy.yaml").read_text() == (shipped_configs() / "envoy.yaml").read_text()
+
+
+class ConstantPredictor:
+    """Not predicted-ttft: any scorer that plays the TTFT-predictor role (framework.TtftPredictor)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def score(self, request: InferenceRequest, candidates: Sequence[Upstream], state: Any) -> list[float]:
+        return [0.0] * len(candidates)
+
+    def predict_ttft(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: Any
+    ) -> list[float]:
+        return [self.seconds] * len(candidates)
+
+    def backlog(self, upstream: Upstream, state: Any) -> tuple[float, float]:
+        return self.seconds, self.seconds
+
+
+def test_the_ttft_readers_find_their_predictor_by_role_not_by_type() -> None:
+    """slo-ttft reads whichever plugin of its profile predicts TTFT; a profile without one is refused."""
+    from extproc.scheduling.slo import SloTtftFilter
+
+    candidates = [Upstream("a", "a", None, 1.0), Upstream("b", "b", None, 1.0)]
+    request = chat_request()
+    for seconds, kept in ((0.1, 2), (5.0, 0)):
+        slo = SloTtftFilter()
+        profile = Profile("p", (slo,), ((ConstantPredictor(seconds), 1.0),), MaxScorePicker())
+        assert isinstance(profile.predictor, ConstantPredictor)
+        request.ttft_slo_ms = 1000.0
+        if kept:
+            assert len(slo.filter(request, candidates, SchedulingState(InFlight(), None))) == kept
+        else:
+            with pytest.raises(RequestError) as err:
+                slo.filter(request, candidates, SchedulingState(InFlight(), None))
+            assert err.value.status == 429
+    with pytest.raises(ConfigError, match="needs a TTFT predictor"):
+        Profile("p", (SloTtftFilter(),), ((LeastOutstandingScorer(), 1.0),), MaxScorePicker())

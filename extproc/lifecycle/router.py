@@ -40,7 +40,6 @@ from extproc.openai.parse import MODEL_APIS, parse_request
 from extproc.openai.rewrite import set_field
 from extproc.scheduling import Profile, profile_from_config
 from extproc.scheduling.explain import DecisionLog, Explanation, new_explanation
-from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.settings import FALLBACK_PROFILE
 from extproc.telemetry import Metrics
 from extproc.tokenization import (
@@ -409,20 +408,18 @@ class RequestLifecycle:
         self.metrics.requests_by(self.metrics.model_label(model), "", "rejected").inc()
 
     def _backlog(self) -> Backlog | None:
-        """The default profile's predicted-ttft prefill queue, for admission's saturation signal."""
-        for scorer, _ in self.config.profile.scorers:
-            if isinstance(scorer, PredictedTtftScorer):
-                predictor, state = scorer, self.state
-                return lambda u: predictor.backlog(u, state)
-        return None
+        """The default profile's predicted prefill queue, for admission's saturation signal."""
+        predictor, state = self.config.profile.predictor, self.state
+        if predictor is None:
+            return None
+        return lambda u: predictor.backlog(u, state)
 
     def _own_ttft(self) -> OwnTtft | None:
-        """The default profile's predicted-ttft figure for one request, for admission's placement."""
-        for scorer, _ in self.config.profile.scorers:
-            if isinstance(scorer, PredictedTtftScorer):
-                predictor, state = scorer, self.state
-                return lambda request, candidates: predictor.predict_ttft(request, candidates, state)
-        return None
+        """The default profile's predicted TTFT for one request, for admission's placement."""
+        predictor, state = self.config.profile.predictor, self.state
+        if predictor is None:
+            return None
+        return lambda request, candidates: predictor.predict_ttft(request, candidates, state)
 
     def _admission_candidates(self, model: str) -> tuple[Upstream, ...]:
         """Who admission measures for `model`: the live candidates, else the static pool's."""

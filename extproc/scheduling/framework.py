@@ -120,6 +120,25 @@ class Reporting(Protocol):
 
 
 @runtime_checkable
+class TtftPredictor(Protocol):
+    """The role `predicted-ttft` plays for the rest of the lifecycle: the time to first token a
+    request is predicted to see on each candidate, and the prefill queued at an upstream. Its readers
+    (the `slo-ttft` filter, admission's predicted wait and placement) find it by this role through
+    `Profile.predictor`, never by plugin type: any scorer that implements it can take its place, and
+    a profile without one is refused where a reader needs it."""
+
+    def predict_ttft(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> Sequence[float]:
+        """Seconds, one per candidate, in order."""
+        ...
+
+    def backlog(self, upstream: Upstream, state: FleetState) -> tuple[float, float]:
+        """(seconds of prefill queued at `upstream`, mean prefill seconds of a request sent there)."""
+        ...
+
+
+@runtime_checkable
 class PromptHashing(Protocol):
     """A plugin that hashes the prompt's token ids in blocks (`predicted-ttft`). For a long prompt
     the lifecycle hashes them off the event loop before scheduling (`InferenceRequest.block_hashes`),
@@ -270,6 +289,8 @@ class Profile:
     reporting: tuple[Reporting, ...] = field(init=False, default=())
     # Plugins with state per upstream id, told when an upstream has left (UpstreamMemory).
     forgetting: tuple[UpstreamMemory, ...] = field(init=False, default=())
+    # The profile's TTFT predictor (TtftPredictor), the first plugin that is one; None without.
+    predictor: TtftPredictor | None = field(init=False, default=None)
     _labels: tuple[tuple[str, ...], tuple[str, ...], str] = field(init=False, default=((), (), ""))
 
     def __post_init__(self) -> None:
@@ -281,6 +302,7 @@ class Profile:
         self.shared = tuple(
             (f"{i}:{plugin_name(p)}", p) for i, p in enumerate(plugins) if isinstance(p, SharedPlugin)
         )
+        self.predictor = next((p for p in plugins if isinstance(p, TtftPredictor)), None)
         hashing = [p for p in plugins if isinstance(p, PromptHashing)]
         self.hash_spec = hashing[0].prompt_hash_spec() if hashing else None
         self._labels = (

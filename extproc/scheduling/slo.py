@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.openai.errors import slo_unattainable
-from extproc.scheduling.framework import FILTERS, FleetState, Profile
-from extproc.scheduling.predicted_ttft import PredictedTtftScorer
+from extproc.scheduling.framework import FILTERS, FleetState, Profile, TtftPredictor
 from extproc.settings import DEFAULT_TPOT_WINDOW_S, ConfigError
 
 
@@ -37,7 +36,7 @@ class SloTtftFilter:
     # Keep candidates whose prediction is within objective x this (below 1: a safety margin).
     margin: float = 1.0
     retry_after_s: int = 1
-    _predictor: PredictedTtftScorer | None = field(init=False, default=None)
+    _predictor: TtftPredictor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.margin > 0:
@@ -46,14 +45,12 @@ class SloTtftFilter:
             raise ValueError("'retry_after_s' must be >= 1")
 
     def bind_profile(self, profile: Profile) -> None:
-        for scorer, _ in profile.scorers:
-            if isinstance(scorer, PredictedTtftScorer):
-                self._predictor = scorer
-                return
-        raise ConfigError(
-            f"profile '{profile.name}': filter 'slo-ttft' needs the 'predicted-ttft' scorer "
-            "in the same profile"
-        )
+        if profile.predictor is None:
+            raise ConfigError(
+                f"profile '{profile.name}': filter 'slo-ttft' needs a TTFT predictor (the "
+                "'predicted-ttft' scorer) in the same profile"
+            )
+        self._predictor = profile.predictor
 
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
