@@ -80,14 +80,14 @@ DEFAULT_RELEASE_ON = "access_log"
 DEFAULT_LEASE_TIMEOUT_S = 900.0
 DEFAULT_ENDPOINT_METADATA_NAMESPACE = "envoy.lb"
 # How long a thread may hold the GIL before another gets it (Python's default is 5 ms). Long prompts
-# are tokenized on worker threads; at 5 ms the event loop waited up to ~9 ms for the GIL back while
-# 200 KB prompts were encoded, at 1 ms ~5.5 ms (`llm-extproc bench-tokenization`).
+# are tokenized on worker threads; a shorter interval gives the GIL back to the event loop sooner
+# while they encode (notebook/benchmarks-history.md, "Tokenization on the request path").
 GIL_SWITCH_INTERVAL_S = 0.001
-# Big request bodies (`bodies:` in the service YAML, lifecycle/bodies.py). orjson parses a 15 MB body
-# in ~30 ms holding the GIL (a thread would not help), so bodies of at least `offload_bytes` are
-# parsed by worker processes, one body each, `workers` at most at a time; the rest wait their turn
-# without holding the event loop. Moving a body to a worker and its prompt back costs a few copies,
-# more than parsing a small body, so those stay on the loop.
+# Big request bodies (`bodies:` in the service YAML, lifecycle/bodies.py). orjson holds the GIL while
+# it parses, so a multi-megabyte body would stall every other decision (a thread would not help):
+# bodies of at least `offload_bytes` are parsed by worker processes, one body each, `workers` at most
+# at a time; the rest wait their turn without holding the event loop. Moving a body to a worker and
+# its prompt back costs a few copies, more than parsing a small body, so those stay on the loop.
 DEFAULT_BODY_OFFLOAD_BYTES = 1024 * 1024
 DEFAULT_BODY_WORKERS = 2
 # Workers run at this CPU niceness: when CPUs are short, a burst of big bodies slows down rather than
@@ -103,7 +103,7 @@ DEFAULT_BODY_TRIM_INTERVAL_S = 2.0
 # Used when the config defines no profile: the predicted time to first token on each candidate, from a
 # model of its prefix cache bounded by its KV capacity and a prefill queue (docs/tuning.md). No global
 # KV-usage cut-off: a busy engine that holds the prompt's prefix is often still the best place for it.
-# Chosen in the discrete-event mode over the robustness grid (docs/benchmarks.md).
+# Why this profile: docs/benchmarks.md, "Routing quality: the robustness grid".
 # `bounded-load` keeps any engine from holding more than twice its share of the requests in flight,
 # whatever the model predicts (the floor under it: docs/tuning.md).
 # `slo-ttft`, `slo-tpot` and `decode-speed` act only on requests that carry a TTFT objective
@@ -150,9 +150,8 @@ DEFAULT_ADMISSION_OVERLOAD_AFTER_S = 0.5
 DEFAULT_ADMISSION_OVERLOAD_WAIT_S: float | None = 0.25
 # A request decodes for seconds, so its TPOT is the mean over many of the engine's steps; one interval
 # holding a long prefill chunk reads several times the typical step. Admission's TPOT gate and the
-# `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: 2 s (four 0.5 s
-# publish intervals) beat 5 s in the priorities bench at 160 % load (notebook/benchmarks-history.md,
-# "TPOT-aware admission").
+# `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: four 0.5 s publish
+# intervals (why: notebook/benchmarks-history.md, "TPOT-aware admission").
 DEFAULT_TPOT_WINDOW_S = 2.0
 
 
@@ -161,8 +160,8 @@ class AdmissionSettings:
     """`admission:` in the service YAML (see the comment above and docs/tuning.md).
 
     Off unless `enabled: true`: it turns saturation into 429s, and its in-flight cap counts this
-    replica's leases, which leak (until lease_timeout_s) when several replicas run without Redis, as
-    a rolling restart of two such replicas showed (33 of 1982 requests got 429)."""
+    replica's leases, which leak (until lease_timeout_s) when several replicas run without Redis: a
+    rolling restart of such replicas then sheds requests the fleet had room for."""
 
     enabled: bool = False
     max_waiting_per_weight: float = DEFAULT_ADMISSION_MAX_WAITING_PER_WEIGHT

@@ -46,9 +46,8 @@ class SmoothedTpot:
     The interval means are averaged over time, not weighted by their tokens: an interval that holds
     one long prefill step (one token per sequence, a huge mean) weighs as much as one of twenty
     ordinary steps, so the figure reads high while cold prefills crowd the engine, which is when one
-    more request hurts most. Against the token-weighted mean (smoothing 1 / TPOT), admission's gate
-    at 0.09 s in the priorities bench at 160 % load: 5 308 good requests against 4 504 (three seeds;
-    notebook/benchmarks-history.md, "TPOT-aware admission")."""
+    more request hurts most (notebook/benchmarks-history.md, "TPOT-aware admission", compares this
+    with the token-weighted mean, smoothing 1 / TPOT)."""
 
     __slots__ = ("_seen", "window_s")
 

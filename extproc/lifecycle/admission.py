@@ -375,15 +375,13 @@ class Admission:
         there no longer than where there is headroom (its own predicted TTFT, `own_ttft`: the queue
         plus its uncached prefill). A move off its prefix holder turns a warm request into a cold
         prefill, which is more work for the fleet just when it has none to spare: with the holder
-        taken away regardless, each admitted request became a cold prefill that closed another
-        engine: 8 A10Gs serving 48 tenants at 120 % of capacity gave 1.2 good requests/s, against
-        17.7 without admission and 19.2 with this rule (notebook/benchmarks-history.md, "Priorities
-        across fleets and workloads"; at 160 % where every cache holds every tenant the rule costs, as
-        that section says). Below saturation the
-        scheduler weighs every move itself: critical TTFT p99 at 120 % load was 1008 ms with the
-        predicted queue always restricting and 407 ms without (notebook/benchmarks-history.md,
-        "Priorities and SLOs"). The engines' own counts and caps always restrict, and so does the TPOT gate
-        while saturated (one more sequence there slows every running one, however warm it is)."""
+        taken away regardless, each admitted request would become a cold prefill that fills another
+        engine (notebook/benchmarks-history.md, "Priorities across fleets and workloads", which also
+        says where the rule costs). Below saturation the scheduler weighs every move itself: a cold
+        prefill sent elsewhere slows everything there, critical requests first
+        (notebook/benchmarks-history.md, "Priorities and SLOs"). The engines' own counts and caps
+        always restrict, and so does the TPOT gate while saturated (one more sequence there slows
+        every running one, however warm it is)."""
         if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
             return candidates
         open_ = tuple(u for u in candidates if self.headroom(u, predicted=False) > 0) or candidates

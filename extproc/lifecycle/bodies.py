@@ -1,6 +1,6 @@
 """Request bodies: small ones parsed on the event loop, big ones in a few worker processes.
 
-orjson parses a 15 MB body in ~30 ms (more under load) holding the GIL, so a thread would stall the
+orjson holds the GIL while it parses, so parsing a multi-megabyte body on a thread would stall the
 event loop just the same: bodies of at least `offload_bytes` are parsed, and their routing fields
 extracted, by worker processes (`python -m extproc.openai.worker`; the protocol is described there).
 At most `workers` big bodies are parsed at once, one per worker; the others wait on a semaphore,
@@ -10,7 +10,7 @@ which costs the loop nothing. Workers start when a big body finds none idle, run
 chat messages only when tokenizers need them. Each worker shares a buffer with this process: the
 body goes in with one memmove on a thread (ctypes releases the GIL) and the reply is unpickled
 straight out of it, so the loop does one decode per body and no pipe copying (multiprocessing's
-pipes took 240 ms per 15 MB here, against 66 ms to parse it in place).
+pipes cost more than the parse itself; docs/tuning.md, "Big request bodies").
 
 A worker that dies (killed, out of memory) or overruns BODY_PARSE_DEADLINE_S fails the body it held
 with a 503 that invites a retry; the next big body starts a fresh one. A request cancelled meanwhile
@@ -19,8 +19,8 @@ the bound stays true.
 
 Memory: a big body passes through several 15 MB buffers here (gRPC's, the body, the parsed prompt).
 glibc's defaults unmap such buffers, or trim the heap, as soon as they are freed, so every body
-faulted its pages in again (~1 ms a MB on the measuring VM, three times the copy itself), and what
-fragmentation kept stayed at the peak. From the first big body on, big buffers stay in the heap
+would fault its pages in again (which costs more than the copy itself), and what fragmentation kept
+would stay at the peak. From the first big body on, big buffers stay in the heap
 (worker.tune_allocator) and, once big bodies stop (`trim_interval_s` without one), `malloc_trim(0)`
 hands free memory back to the OS, on a thread, never while a body is in a worker; idle workers'
 shared buffers are released then too. Workers trim themselves after a second idle. A routed big

@@ -53,7 +53,9 @@ from extproc.tokenization import (
 log = logging.getLogger("extproc.lifecycle")
 # Requests whose body gets the engine priority: vLLM's chat and completions requests carry the field.
 ENGINE_PRIORITY_APIS = frozenset({Api.CHAT, Api.COMPLETION})
-# Hash a prompt's blocks on a worker thread from this many blocks (~2 us each: 0.5 ms of the loop).
+# Hash a prompt's blocks on a worker thread from this many blocks: from there, hashing them on the
+# loop costs about what the hand-off to a thread does (notebook/benchmarks-history.md, "Tokenization
+# on the request path").
 OFFLOAD_HASH_BLOCKS = 256
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32 (extproc.tokenization.hashing)
 
@@ -267,8 +269,8 @@ class RequestLifecycle:
     async def engine_body(self, decision: Decision, body: bytes | None) -> bytes | None:
         """The body with the request's engine priority written in (`engine_priority:`), or None
         when it goes unchanged: the setting is off or leaves out the chosen cluster, or the API has
-        no such field. A big body is rewritten on a worker thread (a parse and dump of 15 MB would
-        hold the loop ~30 ms)."""
+        no such field. A big body is rewritten on a worker thread (a parse and dump of a multi-megabyte
+        body would hold the loop)."""
         ep = self.config.engine_priority
         request = decision.request
         if ep is None or not body or request.api not in ENGINE_PRIORITY_APIS:
@@ -283,8 +285,8 @@ class RequestLifecycle:
     @staticmethod
     def _routed(decision: Decision) -> Decision:
         """No prompt is kept while the request runs (plugins have seen it: their on_pick hooks ran;
-        on_finish gets the same request object, without its prompt): a 1 MB chat body's parsed
-        messages are ~10x its size in Python objects, held until the response ends."""
+        on_finish gets the same request object, without its prompt): a chat body's parsed messages
+        take many times its size in Python objects, held until the response ends."""
         decision.request.release_prompt()
         return decision
 
@@ -292,8 +294,8 @@ class RequestLifecycle:
     @staticmethod
     async def _hash_long_prompt(request: InferenceRequest, profile: Profile) -> None:
         """A long prompt's block hashes, for the profile's plugin that hashes blocks, on a worker
-        thread: a 200 KB prompt's 34k ids take ~1.1 ms to hash, which the event loop would otherwise
-        spend inside the decision (docs/benchmarks.md, "Tokenization on the request path")."""
+        thread: hashing a long prompt's ids would otherwise hold the event loop inside the decision
+        (docs/benchmarks.md, "Tokenization on the request path")."""
         spec = profile.hash_spec
         ids = request.prompt_token_ids
         if spec is None or not ids:

@@ -224,8 +224,9 @@ def parse_request(head: RequestHead, body: Body) -> InferenceRequest:
 
 def parse_detached(head: RequestHead, body: Body, keep_messages: bool) -> InferenceRequest:
     """parse_request() for a worker process, whose result is pickled back: token ids become a
-    uint32 array (a pickled list of millions of ints costs the receiver ~100 ms holding the GIL; an
-    array is one copy), and `messages` is dropped unless the caller tokenizes them. Raises
+    uint32 array (unpickling a list of millions of ints would hold the receiver's GIL, and so its
+    event loop, for long; an array is one copy), and `messages` is dropped unless the caller
+    tokenizes them. Raises
     RequestError as parse_request() does."""
     request = parse_request(head, body)
     ids = request.prompt_token_ids

@@ -8,9 +8,8 @@ parsed and written again, so that the gateway's value is the only one: engines d
 duplicate keys (Python's json keeps the last, serde refuses the document).
 
 "Holds the quoted field name" is read as JSON reads strings: `"priorit\\u0079"` is the key
-`"priority"` too. A body without a backslash can spell the name one way only (a byte search, ~0.5 ms
-per MB); one with escapes is searched with a pattern that allows each character written either way
-(~0.8 ms per MB) instead.
+`"priority"` too. A body without a backslash can spell the name one way only (a plain byte search);
+one with escapes is searched with a pattern that allows each character written either way instead.
 """
 
 from __future__ import annotations

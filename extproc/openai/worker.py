@@ -43,8 +43,8 @@ OK, REJECTED, FAILED = 0, 1, 2
 SHARED, INLINE = 0, 1
 MODULE = __name__
 # glibc: by default a freed 15 MB buffer is unmapped (or the heap top trimmed) at once, so the next
-# body faults every page in again (~1 ms a MB on the measuring VM, 3x the copy itself). Keep big
-# buffers in the heap instead, and hand free memory back with malloc_trim once idle.
+# body faults every page in again, which costs more than the copy itself. Keep big buffers in the
+# heap instead, and hand free memory back with malloc_trim once idle.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's maximum
 TRIM_THRESHOLD = 256 * 1024 * 1024

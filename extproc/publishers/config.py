@@ -36,9 +36,9 @@ from extproc.settings import (
     string_list,
 )
 
-# Largest /metrics (or DCGM) page read, by default. A vLLM page is ~100-300 KB; parsing 2 MiB of
-# vLLM-like exposition takes ~0.6-1 s of one core here, which the scrape deadline still cuts short.
-# 16 MiB (~6 s of parsing) let one engine's page outlast the snapshots' TTL. Configurable up to
+# Largest /metrics (or DCGM) page read, by default. A vLLM page is ~100-300 KB; the cap leaves room
+# for far bigger pages, while a much larger one would cost seconds of a core to parse and could let
+# one engine's page outlast the snapshots' TTL. Configurable up to
 # MAX_METRICS_BYTES (`max_metrics_bytes`); a page above the cap is a failed scrape, read no further.
 DEFAULT_MAX_METRICS_BYTES = 2 * 1024 * 1024
 

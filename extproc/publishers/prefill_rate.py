@@ -13,20 +13,19 @@ not the maximum, because the hit counter moves at admission and the prompt count
 token, so a sample can be credited tokens whose cache hits fell in the previous one. That
 misattribution is also why a sample spans `span` (3) scrapes that saw prefills end, not one: over
 one interval a long, mostly cached prompt whose hits were debited a scrape earlier reads as several
-times the GPU's rate (8x in tests/test_prefill_rate.py), and with few samples yet the quantile is
-that spike. A fleet of identical engines then had one "3x faster GPU" that got flooded (the
-discrete-event grid's 8k-token cells, p99 up to 6 s); over three intervals the two halves cancel. In the
-discrete-event mode this lands at ~0.7-0.9x of the simulated GPU's compute-bound rate, the same on
-H100s and A10Gs. `predicted-ttft` (scheduling/predicted_ttft.py) divides uncached tokens by it: GPUs
-of different speeds in one pool get their share without a hand-set `capacity_weight`.
+times the GPU's rate (tests/test_prefill_rate.py builds such a case), and with few samples yet the
+quantile is that spike: one engine of an identical fleet would pass for a faster GPU and be flooded.
+Over three intervals the two halves cancel. `predicted-ttft` (scheduling/predicted_ttft.py) divides
+uncached tokens by it: GPUs of different speeds in one pool get their share without a hand-set
+`capacity_weight`.
 
 An engine measured slow may then get no traffic at all (a slowdown, since repaired, or just the
 slow GPU of a mixed pool at low load), and only traffic can measure it again. So a figure no
 prefill has refreshed for `stale_after` scrapes relaxes: it doubles, up to the best this instance
 has ever shown, and again every `stale_after` idle scrapes. A repaired engine is sent work again
 step by step and its next samples tell; a slower GPU never claims more than it has shown, so it is
-not flooded (withdrawing the figure, which the scheduler reads as "fast until measured", was tried:
-it sent bursts to idle A10Gs next to H100s, TTFT p99 0.1 -> 0.5-3 s in the mixed grid cells).
+not flooded. The figure is not withdrawn instead: the scheduler reads no figure as "fast until
+measured", and would send a slow GPU next to fast ones bursts it cannot take.
 """
 
 from __future__ import annotations

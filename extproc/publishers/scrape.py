@@ -39,7 +39,7 @@ class ScrapeResult:
 async def _read_capped(response: aiohttp.ClientResponse, cap: int) -> bytes | None:
     """The whole body, or None as soon as it is known to exceed `cap` bytes (read no further; closing
     the response then drops the connection). aiohttp's read(n) returns what is buffered, up to n
-    bytes, hence the loop (a single read used to parse only the first ~128 KB of a larger page)."""
+    bytes, hence the loop (a single read may return only the first part of a larger page)."""
     declared = response.content_length
     if declared is not None and declared > cap and not response.headers.get("Content-Encoding"):
         return None

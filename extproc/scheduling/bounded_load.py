@@ -12,8 +12,8 @@ flight plus this one. `slack` requests on top keep a nearly idle pool from being
 
 The bound holds only where it hurts: a candidate over it whose engine last reported no waiting
 request keeps its place. Its batch still takes new work at once, and a prefix holder running many
-cheap, cached requests is where they belong (forcing cold copies of 4-8k-token prompts off such
-holders cost up to 1.5x the TTFT geomean in the routing grid's long-prompt and chat cells).
+cheap, cached requests is where they belong: forcing them off it makes cold copies of long prompts
+elsewhere (docs/tuning.md, "The floor: `bounded-load`").
 
 The least loaded candidate (per unit of capacity) is always within the bound, so the filter never
 empties the list. Drops are counted per upstream (`llm_extproc_bounded_load_dropped`).

@@ -109,9 +109,10 @@ class CacheModel:
         tail first as the engines free them (vLLM frees a sequence's blocks in reverse; SGLang's radix
         tree evicts leaves): its output, then its prompt from the last block to the first, so a
         prefix is eaten from its end and its first blocks, the ones other prompts share, go last.
-        Freed head first, the model lost a prefix's first block before the rest and, since a match
-        stops at the first missing block, took the whole prefix for evicted while the engine still
-        held nearly all of it (notebook/benchmarks-history.md, "Tail-first release in the cache model")."""
+        Freed head first, the model would lose a prefix's first block before the rest and, since a
+        match stops at the first missing block, take the whole prefix for evicted while the engine
+        still held nearly all of it (notebook/benchmarks-history.md, "Tail-first release in the cache
+        model")."""
         if placement.epoch != self.epoch:
             return  # reset() since it was placed: those blocks are gone already
         pinned, evictable = self._pinned, self._evictable

@@ -3,11 +3,10 @@ fleet view smooths it (fleet/tpot.py; admission's TPOT gate reads the same figur
 
 `predicted-ttft` prices prefill work, not decode speed. An engine that holds more hot tenants than it
 can decode for keeps its requests' TTFT low while their TPOT runs over the objective, and nothing in
-that cost moves them: in the priorities bench at 120 % load (seed 7) one of four engines decoded at
-a TPOT p90 of 103-140 ms for the whole run while the others ran at ~60 ms, and a third of the
-requests missed a 100 ms objective. `decode-speed` scores such an engine down, so new and moved
-placements go where tokens come fast enough; weighted against `predicted-ttft`, a request still
-stays with its prefix unless its holder is close to the objective.
+that cost moves them: such an engine can stay slow for a whole run while the others have room to
+spare (notebook/benchmarks-history.md, "TPOT-aware admission"). `decode-speed` scores such an engine
+down, so new and moved placements go where tokens come fast enough; weighted against
+`predicted-ttft`, a request still stays with its prefix unless its holder is close to the objective.
 
 The smoothed figure lags the batch it was measured on by seconds. Read as it stands, the one engine
 that has just come under the objective after a spell of shedding scores alone above 0 and takes
@@ -38,15 +37,15 @@ class DecodeSpeedScorer:
     every candidate scores 0.0, which adds nothing to any total (so it can sit in the default
     profile without moving a request that set no objective, whatever the picker). With an
     objective, unknown (no snapshot, no TPOT reported, idle) is neutral: 1.0. Weight it against
-    `predicted-ttft` (0.6 in notebook/benchmarks-history.md, "Decode speed in placement"): the weight decides
-    how slow a prefix holder must get before a request leaves it for a cold prefill elsewhere."""
+    `predicted-ttft` (the default profile's 0.6: notebook/benchmarks-history.md, "Decode speed in
+    placement"): the weight decides how slow a prefix holder must get before a request leaves it for
+    a cold prefill elsewhere."""
 
     tpot_objective_s: float | None = None
     full_below: float = 0.8
     window_s: float = DEFAULT_TPOT_WINDOW_S  # the smoothing's time constant (fleet/tpot.py)
-    # The share of TPOT that grows with the running batch: ~0.6 for an 8B model on an A10G at the
-    # batch where TPOT nears 100 ms (a 35 ms weight read per step); 0.5 chosen on the priorities
-    # bench, 16 seeds (notebook/benchmarks-history.md, "Room for the requests sent since").
+    # The share of TPOT that grows with the running batch; the rest is the fixed cost of a step
+    # (reading the weights). Why 0.5: notebook/benchmarks-history.md, "Room for the requests sent since".
     batch_share: float = 0.5
 
     def __post_init__(self) -> None:

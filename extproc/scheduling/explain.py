@@ -56,7 +56,7 @@ class ExplainSettings:
     operator allowed it, and even then pays only for its own requests. `always`: every routed request
     (a staging gateway). keep_last: decisions kept for /debug/decisions; 0 (default) turns the endpoint
     off (404) and records nothing. While it is above 0 every decision is recorded (a copy of what
-    each plugin returned; measured in docs/benchmarks.md, "Decision explanation"). detail: what the
+    each plugin returned; its cost: docs/benchmarks.md, "Decision explanation"). detail: what the
     header tells the client: `summary` (default) the picked cluster, the profile and the candidate
     count; `full` also the picked upstream's id (`cluster/ip:port` in endpoint mode), its calibration
     figures and the top candidates' ids, totals and per-scorer contributions, which expose upstream

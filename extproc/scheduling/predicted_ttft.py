@@ -130,7 +130,7 @@ class PredictedTtftScorer:
     room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
     # Pools larger than this are pre-selected (`_preselect`): the candidates holding the longest
     # prefix of the prompt plus a random sample of the others, up to this many, are predicted in
-    # full and the rest score 0. Keeps a decision ~1 ms at 1000 instances (0: predict all).
+    # full and the rest score 0, so a decision's cost stops growing with the pool (0: predict all).
     max_evaluated: int = 64
     eps_s: float = 0.005
     _rng: random.Random = field(init=False, default_factory=random.Random)

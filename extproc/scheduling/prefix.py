@@ -46,9 +46,9 @@ class PrefixAffinityScorer:
     # Per upstream, LRU. ~ the engine's KV capacity in blocks of this size: an H100 serving an 8B model
     # holds ~440k tokens ~ 1.75 MB of text ~ 6.8k blocks of 256 chars. ~100 bytes per entry.
     capacity_blocks: int = 8192
-    # No affinity for a candidate whose queue exceeds ratio x the least-loaded candidate's + slack.
-    # (2.0, 16) measured in the discrete-event mode: vs (1.5, 8) the same on shared prefixes and a
-    # lower multi-turn tail (p99 TTFT 657 vs 822 ms, 4 A10G engines); (3.0, 32) hurt goodput.
+    # No affinity for a candidate whose queue exceeds ratio x the least-loaded candidate's + slack:
+    # a hot prefix spills over before its holder's queue grows long (notebook/benchmarks-history.md,
+    # "Multi-turn chat").
     overload_ratio: float = 2.0
     overload_slack: float = 16.0
     _index: dict[str, OrderedDict[bytes, None]] = field(init=False, default_factory=dict)

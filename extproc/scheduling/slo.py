@@ -71,15 +71,15 @@ class SloTtftFilter:
 class SloTpotFilter:
     """Sheds a request with a TPOT objective when no candidate decodes within it; never narrows.
 
-    Narrowing to the candidates under the objective was measured and is much worse (notebook/
-    benchmarks-history.md, "TPOT objectives per request"): the smoothed figure lags by seconds, so every
-    request with an objective lands on the few engines under it, which then slow down, and their
-    prefixes are left behind. Steering is `decode-speed`'s job (in the default profile: it reads
-    the request's objective)."""
+    It does not narrow to the candidates under the objective: the smoothed figure lags by seconds,
+    so every request with an objective would land on the few engines under it, which then slow down,
+    and their prefixes would be left behind (notebook/benchmarks-history.md, "TPOT objectives per
+    request"). Steering is `decode-speed`'s job (in the default profile: it reads the request's
+    objective)."""
 
     # Shed when every candidate's smoothed TPOT is above objective x this: below 1 leaves room for
-    # what this request and those sent with it add before the figure shows it (0.9: chosen on the
-    # priorities bench, notebook/benchmarks-history.md, "Room for the requests sent since").
+    # what this request and those sent with it add before the figure shows it (why 0.9:
+    # notebook/benchmarks-history.md, "Room for the requests sent since").
     margin: float = 0.9
     window_s: float = DEFAULT_TPOT_WINDOW_S  # the smoothing's time constant (fleet/tpot.py)
     retry_after_s: int = 1

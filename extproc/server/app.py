@@ -423,10 +423,11 @@ def _can_pick(config: ServiceConfig, sources: tuple[EndpointSource, ...]) -> boo
 
 def freeze_heap() -> int:
     """Collect once, then move every object alive now into the garbage collector's permanent
-    generation; returns how many. A full collection walks every tracked object holding the GIL: a
-    started service has ~50k of them (modules, config, plugins), ~50 ms on a shared core during
-    which every stream waits. Frozen, later collections walk only what was created since. Call it
-    once the service is built: objects frozen are never collected."""
+    generation; returns how many. A full collection walks every tracked object holding the GIL, and
+    a started service has tens of thousands of them (modules, config, plugins): every stream waits
+    meanwhile (notebook/benchmarks-history.md, "Tokenization on the request path"). Frozen, later
+    collections walk only what was created since. Call it once the service is built: objects frozen
+    are never collected."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -72,7 +72,7 @@ def endpoint_metadata(
 
 def _common(common: pb.CommonResponse, mutation: pb.HeaderMutation | None) -> None:
     """Fill a reply's CommonResponse in place: built apart and passed to the constructors, the
-    mutation (and a full-duplex body) was copied twice more. Present even when empty."""
+    mutation (and a full-duplex body) would be copied twice more. Present even when empty."""
     common.SetInParent()
     if mutation is not None:
         common.clear_route_cache = True

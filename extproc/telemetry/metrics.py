@@ -118,7 +118,7 @@ _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0
 
 class Children:
     """A labelled metric's children, looked up once per label set. prometheus_client's `labels()`
-    validates, takes a lock and builds its key on every call (~5 us), and the request path counts
+    validates, takes a lock and builds its key on every call, and the request path counts
     several series per request. Values go in the metric's label order; only for bounded label sets
     (every child stays cached, as it does in the metric itself)."""
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 CacheKey = tuple[str, bytes]
 
-ENTRY_OVERHEAD = 200  # bytes: key tuple + digest + OrderedDict node + array header, measured ~190
+ENTRY_OVERHEAD = 200  # bytes: key tuple + digest + OrderedDict node + array header, rounded up
 
 
 @dataclass(slots=True)

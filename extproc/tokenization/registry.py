@@ -34,9 +34,9 @@ from extproc.tokenization.cache import CacheKey, CacheStats, SegmentCache
 from extproc.tokenization.config import DEFAULT_BYTES_PER_TOKEN, WILDCARD, TokenizerSpec, parse_specs
 from extproc.tokenization.hashing import block_hashes
 
-# New text to encode above which the work goes to the thread pool. Byte-level BPE encodes ~1-4 MB/s
-# a thread (measured ~1 MB/s on a 2 GHz Xeon VM), so 4 KiB inline stalls the loop ~1-4 ms, while a
-# thread hop costs ~0.05-0.2 ms.
+# New text to encode above which the work goes to the thread pool: encoding this much on the event
+# loop already stalls it far longer than a thread hop costs, while much smaller texts cost less inline
+# than the hop.
 OFFLOAD_CHARS = 4 * 1024
 MIN_SEGMENT_CHARS = 128  # smaller pieces are merged with the next: fewer cache entries, less overhead
 BUILTIN_ESTIMATE = "<estimate>"  # tokenizer name reported when no spec (not even "*") applies
@@ -277,7 +277,7 @@ class TokenizerRegistry:
         if tok.encoder is None:
             return self._estimate(model, tok, text)
         keyed = None
-        if len(text) > self.offload_chars:  # hashing 200 KB into cache keys takes milliseconds too
+        if len(text) > self.offload_chars:  # hashing a long text into cache keys holds the loop too
             loop = asyncio.get_running_loop()
             keyed = await loop.run_in_executor(self._pool(), self._segment_keys, tok, text)
         plan = self._plan(tok, text, add_special, keyed)
