@@ -12,6 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
+from gateway_stack import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import config_from_dict
@@ -150,7 +151,11 @@ def test_slow_clients_cannot_hold_the_metrics_port_or_its_threads() -> None:
     )
     port, http = server.port, server.server
     base = f"http://127.0.0.1:{port}"
-    threads_before = threading.active_count()
+
+    def handler_threads() -> int:  # this process's HTTP handler threads (other tests' threads vary)
+        return sum("process_request_thread" in t.name for t in threading.enumerate())
+
+    handlers_before = handler_threads()
     slow: list[socket.socket] = []
     try:
         slow = [_half_request(port) for _ in range(3)]  # under the bound: served alongside
@@ -158,7 +163,7 @@ def test_slow_clients_cannot_hold_the_metrics_port_or_its_threads() -> None:
         assert get(base + "/metrics")[0] == 200
         slow += [_half_request(port) for _ in range(40)]  # far over it
         time.sleep(0.3)
-        assert threading.active_count() <= threads_before + 4
+        assert handler_threads() <= handlers_before + 4 and http.open_connections() <= 4
         started = time.monotonic()
         assert get(base + "/healthz") == (200, "ok\n")  # evicts a half-sent request, at once
         assert time.monotonic() - started < 1.0
@@ -167,7 +172,8 @@ def test_slow_clients_cannot_hold_the_metrics_port_or_its_threads() -> None:
         assert http.evicted >= 2
         # Every slow client is dropped within the socket timeout (plus the server's poll).
         assert all(_closed_by_server(s, 3.0) for s in slow)
-        assert threading.active_count() <= threads_before + 1
+        assert wait_until(lambda: http.open_connections() == 0, 2.0)
+        assert wait_until(lambda: handler_threads() <= handlers_before, 2.0)
         # One that keeps the socket timeout at bay by trickling a byte at a time meets the deadline.
         trickle = socket.create_connection(("127.0.0.1", port), timeout=10)
         slow.append(trickle)

@@ -89,6 +89,7 @@ def _input_chars(inputs: PromptInputs) -> int:
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
+            total += MESSAGE_OVERHEAD_CHARS * len(content)  # each part is rendered too
             for part in content:
                 text = part.get("text") if isinstance(part, Mapping) else None
                 if isinstance(text, str):
