@@ -430,7 +430,12 @@ def test_the_shipped_redis_requires_the_password_its_clients_read() -> None:
     redis = container(one("kubernetes", "Deployment", "redis"))
     env = {e["name"]: e for e in redis["env"]}
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == REDIS_SECRET
-    assert redis["args"][redis["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    # One ACL user with that password, limited to the llm-extproc:* keys and channels; no default user
+    # (tests/test_redis_acl.py runs a redis-server with these very arguments under the service).
+    args = redis["args"]
+    assert " ".join(args[args.index("--user") : args.index("--user") + 3]) == "--user default off"
+    user = args[args.index("llm-extproc") - 1 : args.index("llm-extproc") + 4]
+    assert user == ["--user", "llm-extproc", "on", ">$(REDIS_PASSWORD)", "~llm-extproc:*"]
     publisher = container(one("kubernetes", "Deployment", "llm-extproc-publisher"))
     env = {e["name"]: e for e in publisher["env"]}
     assert env["LLM_EXTPROC_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == REDIS_SECRET
@@ -450,7 +455,7 @@ def test_redis_urls_point_at_the_shipped_redis_service() -> None:
     port = redis["spec"]["ports"][0]["port"]
     _, epp = service_config("inference-extension", "llm-extproc-epp-config")
     for url in (cfg.fleet.url, epp.fleet.url):
-        assert url == f"redis://{host}:{port}/0"
+        assert url == f"redis://llm-extproc@{host}:{port}/0"  # the ACL user; its password from the env
 
 
 # -- 3. the gateway manifests point at the service and route on its decisions -------------------------
