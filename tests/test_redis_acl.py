@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 from redis.exceptions import AuthenticationError, NoPermissionError
-from test_replica_sync import CLUSTERS, HEAD, TENANTS, body, service_config, total, until
+from test_replica_sync import HEAD, TENANTS, body, put_snapshots, service_config, total, until
 
 from extproc.config import config_from_dict
 from extproc.server import start
@@ -47,30 +46,6 @@ def acl_redis(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
     monkeypatch.setenv(ENV_REDIS_PASSWORD, password)
     yield server, password
     server.stop()
-
-
-async def put_snapshots(url: str, password: str) -> None:
-    from extproc.fleet import snapshot_pb2 as spb
-
-    client = aioredis.from_url(url, password=password)
-    for i, c in enumerate(CLUSTERS):
-        snap = spb.UpstreamSnapshot(
-            upstream_id=f"{c}/127.0.0.1:{9000 + i}",
-            cluster=c,
-            address=f"127.0.0.1:{9000 + i}",
-            engine="vllm",
-            models=["m"],
-            readiness=spb.READY,
-            kv_blocks_total=4000,
-            block_size=16,
-            publisher_id="test",
-            sequence=1,
-            published_at_ms=int(time.time() * 1000),
-            ttl_ms=120_000,
-        )
-        await client.set(f"llm-extproc:default:snap:{snap.upstream_id}", snap.SerializeToString(), px=120_000)
-        await client.publish("llm-extproc:default:events", snap.SerializeToString())
-    await client.aclose()
 
 
 async def test_the_service_works_under_the_shipped_acl_user(acl_redis: tuple[RedisProcess, str]) -> None:

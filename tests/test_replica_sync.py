@@ -380,8 +380,8 @@ def service_config(url: str) -> dict[str, Any]:
     }
 
 
-async def put_snapshots(url: str) -> None:
-    client = aioredis.from_url(url)
+async def put_snapshots(url: str, password: str | None = None) -> None:
+    client = aioredis.from_url(url, password=password)
     for i, c in enumerate(CLUSTERS):
         snap = spb.UpstreamSnapshot(
             upstream_id=f"{c}/127.0.0.1:{9000 + i}",
