@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +48,7 @@ from extproc.tokenization import (
     TokenizerRegistry,
     block_hashes,
 )
+from extproc.tokenization.hashing import ids_array
 
 log = logging.getLogger("extproc.lifecycle")
 # Requests whose body gets the engine priority: vLLM's chat and completions requests carry the field.
@@ -461,10 +461,10 @@ def checked_token_ids(request: InferenceRequest) -> None:
     one conversion, here, instead of one per use); an id outside 0..2^32-1 is the client's 400, not a
     500 from deep inside a scorer. A worker process's parse hands over such an array already."""
     ids = request.prompt_token_ids
-    if not ids or isinstance(ids, array):
+    if not ids:
         return
     try:
-        request.prompt_token_ids = array("I", ids)
+        request.prompt_token_ids = ids_array(ids)
     except OverflowError:
         field = "input" if request.api is Api.EMBEDDING else "prompt"
         raise bad_request(
