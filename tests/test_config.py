@@ -638,3 +638,16 @@ def test_a_predicted_wait_without_a_predictor_is_refused() -> None:
     cfg = config_from_dict({"pool": pool, "admission": {"max_predicted_wait_s": 0.5}})
     assert cfg.profile.predictor is not None
     assert config_from_dict({"pool": pool, "scheduling": plain}).profile.predictor is None
+
+
+@pytest.mark.parametrize("value", ["urgent", 1.5, True, None])
+def test_a_bad_client_max_priority_is_a_config_error(value: object) -> None:
+    pool = {"clusters": [{"name": "a", "models": ["m"]}]}
+    with pytest.raises(ConfigError, match="client_max_priority"):
+        config_from_dict({"pool": pool, "admission": {"client_max_priority": value}})
+    assert (
+        config_from_dict(
+            {"pool": pool, "admission": {"client_max_priority": "critical"}}
+        ).admission.client_max_priority
+        == 1
+    )
