@@ -11,7 +11,7 @@ import importlib.resources
 import ipaddress
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
@@ -156,6 +156,70 @@ DEFAULT_TPOT_WINDOW_S = 2.0
 
 
 @dataclass(slots=True, frozen=True)
+class Objective:
+    """One class's TTFT objective: `factor` x the request's own unloaded TTFT (its prefill on an idle
+    engine: what a "1x" or "4x" in the YAML means), or `seconds`; neither: best effort."""
+
+    factor: float | None = None
+    seconds: float | None = None
+
+    def budget(self, unloaded_s: float) -> float | None:
+        """Seconds of queueing the class may see beyond its unloaded TTFT (None: best effort)."""
+        if self.factor is not None:
+            return (self.factor - 1.0) * unloaded_s
+        if self.seconds is not None:
+            return max(0.0, self.seconds - unloaded_s)
+        return None
+
+
+@dataclass(slots=True, frozen=True)
+class ClassObjectives:
+    """`admission.objectives`: critical 1x (no queue), standard 4x, sheddable best effort."""
+
+    critical: Objective = Objective(factor=1.0)
+    standard: Objective = Objective(factor=4.0)
+    sheddable: Objective = Objective()
+
+
+def objective_value(value: Any, where: str) -> Objective:
+    """`1x`, `4x` (times the unloaded TTFT), a number of seconds, `500ms`, or null (best effort)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("best-effort", "none")):
+        return Objective()
+    if isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            if text.endswith("x"):
+                factor = float(text[:-1])
+                if factor >= 1.0 and factor < 1e6:
+                    return Objective(factor=factor)
+            elif text.endswith("ms"):
+                return Objective(seconds=number(float(text[:-2]) / 1000, where, positive=True))
+            elif text.endswith("s"):
+                return Objective(seconds=number(float(text[:-1]), where, positive=True))
+        except ValueError:
+            pass
+        raise ConfigError(
+            f"{where} must be a multiple of the unloaded TTFT ('1x', '4x', >= 1), seconds ('2s', "
+            f"'500ms', 0.5) or best-effort, got {value!r}"
+        )
+    return Objective(seconds=number(value, where, positive=True))
+
+
+def class_objectives(raw: Any, where: str) -> ClassObjectives:
+    section = mapping(raw, where)
+    check_keys(section, ClassObjectives.__dataclass_fields__, where)
+    default = ClassObjectives()
+    return ClassObjectives(
+        **{
+            name: objective_value(section[name], f"{where}.{name}")
+            if name in section
+            else getattr(default, name)
+            for name in ClassObjectives.__dataclass_fields__
+        }
+    )
+
+
+@dataclass(slots=True, frozen=True)
 class AdmissionSettings:
     """`admission:` in the service YAML (see the comment above and docs/tuning.md).
 
@@ -184,6 +248,9 @@ class AdmissionSettings:
     """Once a model's queue has not been empty for `overload_after_s`, its waiters are served newest
     first and those queued longer than this get 429 at once (None: FIFO up to `max_wait_s` always)."""
     retry_after_s: int = DEFAULT_ADMISSION_RETRY_AFTER_S
+    objectives: ClassObjectives = field(default_factory=lambda: ClassObjectives())
+    """Each class's TTFT objective: lower classes are placed only where a request of a higher class
+    would still meet its own (lifecycle/admission.py, "Class objectives")."""
     client_max_priority: int = PRIORITY_NAMES["standard"]
     """The highest class a client's own priority header may ask for on a route whose metadata sets
     no cap (`x-llm-max-priority`): a client cannot make itself critical unless a route grants it.
@@ -234,6 +301,8 @@ def admission_settings(raw: Any, where: str = "config: 'admission'") -> Admissio
         values["max_queued"] = integer(section["max_queued"], f"{where}.max_queued", minimum=0)
     if "retry_after_s" in section:
         values["retry_after_s"] = integer(section["retry_after_s"], f"{where}.retry_after_s", minimum=1)
+    if section.get("objectives") is not None:
+        values["objectives"] = class_objectives(section["objectives"], f"{where}.objectives")
     if "client_max_priority" in section:
         values["client_max_priority"] = priority_value(
             section["client_max_priority"], f"{where}.client_max_priority"

@@ -770,6 +770,9 @@ class _Counts:
     def pending(self, uid: str) -> int:
         return 0
 
+    def batch(self, upstream_id: str) -> tuple[float, float | None, float | None]:
+        return 0.0, None, None  # no batch limit known
+
 
 def _request(priority: int = 0) -> Any:
     from extproc.openai import InferenceRequest
@@ -813,7 +816,11 @@ def test_while_saturated_a_request_keeps_a_full_candidate_where_it_would_wait_no
     assert adm.placeable(request, (a, b)) == (a, b)  # a is full but no slower for this request
     own["a"] = 2.4  # not cached on a after all: a cold prefill behind a's queue
     assert adm.placeable(request, (a, b)) == (b,)
-    assert adm.placeable(_request(priority=1), (a, b)) == (a, b)  # critical: anywhere
+    # critical: wherever its own TTFT is within its objective of the soonest (1x: one prefill)
+    assert adm.placeable(_request(priority=1), (a, b)) == (b,)
+    own["a"] = 1.6
+    assert adm.placeable(_request(priority=1), (a, b)) == (a, b)
+    own["a"] = 2.4
     backlog["b"] = 1.1  # nobody has room: all of them
     assert adm.placeable(request, (a, b)) == (a, b)
 

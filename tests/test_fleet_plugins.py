@@ -68,6 +68,9 @@ class FakeState:
     def pending(self, upstream_id: str) -> int:
         return self.pendings.get(upstream_id, 0)
 
+    def batch(self, upstream_id: str) -> tuple[float, float | None, float | None]:
+        return 0.0, None, None  # no batch limit known
+
 
 def ids(upstreams: Any) -> list[str]:
     return [u.id for u in upstreams]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
 from extproc.fleet.accounting import InFlight, RemoteInFlight
+from extproc.fleet.batch import BatchLimits
 from extproc.fleet.gpus import gpu_speed
 from extproc.fleet.pool import Pool, RoutingMode, Upstream
 from extproc.fleet.snapshots import InstanceState
@@ -141,6 +142,7 @@ class FleetView:
         self._fresh_models: frozenset[str] = frozenset()
         self._loads: dict[str, Load] = {}
         self._tpot: dict[float, SmoothedTpot] = {}  # by smoothing window, each fed every rebuild
+        self.batches = BatchLimits()  # fed every rebuild
         self.dirty = False
         self.counts = {"fresh_ready": 0, "fresh_not_ready": 0, "stale": 0, "stale_ready": 0}
         self.stale_ready_decisions = 0  # candidates() answers served from the stale-READY grace
@@ -247,6 +249,7 @@ class FleetView:
         self._loads = loads
         for smoothed in self._tpot.values():
             smoothed.take_all(loads)
+        self.batches.take_all(loads)
         self.counts = counts
         self.dirty = False
         if forgotten:
@@ -261,6 +264,7 @@ class FleetView:
             self._epochs.pop(key, None)
             for smoothed in self._tpot.values():
                 smoothed.forget(key)
+            self.batches.forget(key)
         gone = tuple(sorted(keys))
         for hook in list(self._departure_hooks):
             hook(gone)
@@ -494,6 +498,19 @@ class SchedulingState:
 
     def smoothed_running(self, upstream_id: str, window_s: float) -> float | None:
         return self.view.smoothed_running(upstream_id, window_s) if self.view is not None else None
+
+    def batch(self, upstream_id: str) -> tuple[float, float | None, float | None]:
+        view = self.view
+        if view is None:
+            return float(self.count(upstream_id)), None, None
+        load = view.load(upstream_id)
+        own = self.count(upstream_id)
+        if load is None:
+            occupancy = float(own)
+        else:
+            occupancy = float(max(own, load.num_running + load.num_waiting + own - load.own_at_snapshot))
+        batches = view.batches
+        return occupancy, batches.limit(upstream_id), batches.turnover(upstream_id)
 
     def pending(self, upstream_id: str) -> int:
         """Requests the engines' figures do not include yet: how far the in-flight count there (this

@@ -23,6 +23,14 @@ newest waiter goes first and waiters older than `overload_wait_s` get 429 `queue
 next arrival or finish: first come, first served, every admitted request would have waited
 ~`max_wait_s` already (adaptive LIFO; notebook/benchmarks-history.md, "Overload: newest waiters first").
 
+Class objectives (`objectives`, docs/tuning.md): before any of that, where an upstream's batch limit
+is known (fleet/batch.py), a standard request goes there only while a critical request sent after it
+would still get a place in the batch within critical's objective (one place kept, more as critical
+requests arrive faster than places free), and within standard's own; a sheddable request keeps one
+more place for each higher class. Critical requests go where their own predicted TTFT is within
+their objective of the soonest candidate. Engines serving first come, first served cannot separate
+the classes once requests wait there; this keeps them from waiting there.
+
 A new arrival never overtakes the queue: while a model's queue is not empty, standard arrivals
 queue behind it and sheddable ones are shed. The queue is event-loop safe (asyncio futures, no
 thread waits) and a waiter whose client goes away (its stream is cancelled) leaves it. The same
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -52,10 +61,12 @@ from extproc.settings import (
     TPOT_SLO_METADATA_KEY,
     TTFT_SLO_METADATA_KEY,
     AdmissionSettings,
+    Objective,
 )
 from extproc.telemetry import Metrics
 
 log = logging.getLogger("extproc.admission")
+CRITICAL_RATE_WINDOW_S = 10.0  # critical arrivals are counted over about this long
 
 
 class PriorityClass(StrEnum):
@@ -286,6 +297,7 @@ class Admission:
 
     __slots__ = (
         "_candidates",
+        "_critical",
         "_granted",
         "_queued",
         "_queues",
@@ -317,29 +329,72 @@ class Admission:
         self._queues: dict[str, FairQueue] = {}
         self._granted: dict[str, int] = {}  # woken waiters not yet scheduled, per model
         self._queued = 0
+        self._critical: dict[str, tuple[float, float]] = {}  # model -> (rate, when)
 
     # -- the signal ------------------------------------------------------------------------------
-    def room(self, model: str) -> float:
-        """Headroom of the model's candidates, in requests, less what was granted and not yet
-        scheduled: > 0 admits; <= 0 is saturation."""
+    def room(self, model: str, klass: PriorityClass = PriorityClass.STANDARD) -> float:
+        """Headroom of the model's candidates for a request of `klass`, in requests, less what was
+        granted and not yet scheduled: > 0 admits; <= 0 is saturation (for that class)."""
         try:
             candidates = self._candidates(model)
         except RequestError:
             return 0.0
         total = 0.0
+        share = self.critical_rate(model) / max(1, len(candidates))
         for u in candidates:
-            free = self.headroom(u)
+            free = self.headroom(u, klass=klass, critical_share=share)
             if free > 0:
                 total += free
         return total - self._granted.get(model, 0)
 
-    def headroom(self, u: Upstream, predicted: bool = True) -> float:
+    def class_room(self, u: Upstream, klass: PriorityClass, critical_share: float = 0.0) -> float:
+        """Requests of `klass` that `u` can take while a request of each higher class sent after
+        them would still meet its objective there (the module docstring's "Class objectives"):
+        unbounded for critical requests and while `u`'s batch limit is unknown. `critical_share`:
+        critical requests per second expected to arrive at `u`."""
+        if klass is PriorityClass.CRITICAL:
+            return math.inf
+        occupancy, limit, turnover = self.state.batch(u.id)
+        if limit is None:
+            return math.inf
+        unloaded = self.backlog(u)[1] if self.backlog is not None else 0.0
+        objectives = self.settings.objectives
+        free = math.inf
+        # Places kept for critical requests: one, and one more per half a critical request expected
+        # to arrive there per request that finishes there.
+        kept = 1
+        if turnover:
+            kept += round(2.0 * critical_share / turnover)
+        # (objective, places kept for later requests of that class or higher)
+        bounds: tuple[tuple[Objective, int], ...]
+        if klass is PriorityClass.STANDARD:
+            bounds = ((objectives.critical, kept), (objectives.standard, 0))
+        else:
+            bounds = ((objectives.critical, kept + 1), (objectives.standard, 1), (objectives.sheddable, 0))
+        for objective, kept in bounds:
+            budget = objective.budget(unloaded)
+            if budget is None:
+                continue
+            places = math.floor(budget * turnover) if turnover else 0  # beyond the batch, within it
+            free = min(free, math.floor(limit) + places - kept - occupancy)
+        return free
+
+    def headroom(
+        self,
+        u: Upstream,
+        predicted: bool = True,
+        klass: PriorityClass | None = None,
+        critical_share: float = 0.0,
+    ) -> float:
         """Requests `u` can still take before it counts as saturated (<= 0: none); without the
-        predicted prefill queue when `predicted` is false (the engines' own counts and caps only)."""
+        predicted prefill queue when `predicted` is false (the engines' own counts and caps only);
+        for a request of `klass`, within what class_room() leaves it."""
         s = self.settings
         state = self.state
         w = u.weight
         free = s.max_inflight_per_weight * w - state.count(u.id)
+        if klass is not None:
+            free = min(free, self.class_room(u, klass, critical_share))
         load = state.load(u.id)
         if load is not None:
             waiting = load.num_waiting + state.pending(u.id)
@@ -382,12 +437,16 @@ class Admission:
         (notebook/benchmarks-history.md, "Priorities and SLOs"). The engines' own counts and caps
         always restrict, and so does the TPOT gate while saturated (one more sequence there slows
         every running one, however warm it is)."""
-        if not self.settings.enabled or priority_class(request.priority) is PriorityClass.CRITICAL:
+        klass = priority_class(request.priority)
+        if not self.settings.enabled:
             return candidates
-        open_ = tuple(u for u in candidates if self.headroom(u, predicted=False) > 0) or candidates
+        if klass is PriorityClass.CRITICAL:
+            return self._soonest(request, candidates)
+        share = self.critical_rate(request.model) / max(1, len(candidates))
+        open_ = tuple(u for u in candidates if self.headroom(u, False, klass, share) > 0) or candidates
         if request.model is None or self.queue_length(request.model) == 0:  # not saturated
             return open_
-        with_room = [self.headroom(u) > 0 for u in open_]
+        with_room = [self.headroom(u, True, klass, share) > 0 for u in open_]
         if not any(with_room):
             return open_
         if all(with_room) or self.own_ttft is None:
@@ -399,6 +458,33 @@ class Admission:
             for u, t, ok in zip(open_, ttft, with_room, strict=True)
             if ok or (t <= best and not self.decoding_slowly(u))
         )
+
+    def _soonest(self, request: InferenceRequest, candidates: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
+        """A critical request's candidates: those where its own predicted TTFT is within its
+        objective, or else the soonest (the scorer's placement costs, which spare other requests'
+        caches, do not outweigh a critical request's wait)."""
+        if self.own_ttft is None or len(candidates) < 2:
+            return candidates
+        ttft = self.own_ttft(request, candidates)
+        best = min(ttft)
+        unloaded = min(self.backlog(u)[1] for u in candidates) if self.backlog is not None else 0.0
+        budget = self.settings.objectives.critical.budget(unloaded)
+        bound = best + (budget or 0.0) + unloaded
+        return tuple(u for u, t in zip(candidates, ttft, strict=True) if t <= bound)
+
+    def critical_rate(self, model: str | None) -> float:
+        """Critical requests per second for `model`, decayed over CRITICAL_RATE_WINDOW_S."""
+        held = self._critical.get(model or "")
+        if held is None:
+            return 0.0
+        rate, at = held
+        return rate * math.exp(-max(0.0, self.clock() - at) / CRITICAL_RATE_WINDOW_S)
+
+    def _count_critical(self, model: str) -> None:
+        now = self.clock()
+        rate, at = self._critical.get(model, (0.0, now))
+        decay = math.exp(-max(0.0, now - at) / CRITICAL_RATE_WINDOW_S)
+        self._critical[model] = (rate * decay + 1.0 / CRITICAL_RATE_WINDOW_S, now)
 
     @property
     def queued(self) -> int:
@@ -418,11 +504,13 @@ class Admission:
             return Verdict.ADMIT
         if not self._candidates(model):  # 404 (raised here) or 503 (scheduling's): not saturation
             return Verdict.ADMIT
+        if klass is PriorityClass.CRITICAL:
+            self._count_critical(model)
         ahead = self.queue_length(model)
         if ahead:
             self.dispatch(model)  # a snapshot may have freed room since the last finish
             ahead = self.queue_length(model)
-        free = not ahead and self.room(model) > 0
+        free = not ahead and self.room(model, klass) > 0
         if free:
             self._count(klass, "admitted", "free")
             return Verdict.ADMIT
@@ -506,7 +594,7 @@ class Admission:
         self._sweep(model, q)
         newest = self.overloaded(model)
         woken = 0
-        while q and self.room(model) > 0:
+        while q and self.room(model, PriorityClass.STANDARD) > 0:
             waiter = q.pop(newest)
             if waiter is None:
                 break

@@ -40,6 +40,13 @@ class FleetState(Protocol):
         """Requests sent there that the last snapshot does not include yet."""
         ...
 
+    def batch(self, upstream_id: str) -> tuple[float, float | None, float | None]:
+        """(requests there now: the engines' running and waiting plus what was sent since, or this
+        process's in-flight count where larger; the batch it runs before queueing; requests per
+        second that get their first token there). The last two are None while unknown
+        (fleet/batch.py): the engines never queued, or publish no first-token counter."""
+        ...
+
     def kv_blocks(self, upstream_id: str) -> KvHeld | None:
         """The prefix-index block hashes the engine holds by its own KV events (exact when
         `complete`, a lower bound otherwise), or None when there is no fresh set (no events, out of

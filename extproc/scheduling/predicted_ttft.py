@@ -418,6 +418,7 @@ class PredictedTtftScorer:
             pred.uncached[u.id] = uncached
             ttft = self._wait(model, load, now) + uncached / rate
             ttft += self.decode_tokens_per_running * running / engine_rate
+            ttft += slot_wait(state, u.id)
             cache = model.cache
             new_blocks = len(pred.hashes) - m + new_output
             if new_blocks > cache.capacity_blocks - cache.pinned_blocks:
@@ -672,6 +673,17 @@ class PredictedTtftScorer:
 
     def index_sizes(self) -> dict[str, int]:
         return {uid: m.cache.used_blocks for uid, m in self._models.items()}
+
+
+def slot_wait(state: FleetState, upstream_id: str, extra: int = 0) -> float:
+    """Seconds a request sent to `upstream_id` now (after `extra` more) waits for a place in its
+    engines' batch: the requests beyond the batch limit, ahead of it and it, over the turnover
+    (fleet/batch.py); 0 while either is unknown."""
+    occupancy, limit, turnover = state.batch(upstream_id)
+    if limit is None or not turnover:
+        return 0.0
+    ahead = occupancy + extra + 1 - limit
+    return ahead / turnover if ahead > 0 else 0.0
 
 
 def _leading(hashes: Sequence[bytes], held: Callable[[bytes], bool]) -> int:

@@ -1,0 +1,139 @@
+"""How many requests an upstream's engines run at once before they queue, and how fast those
+requests turn over, learnt from snapshots (the fleet view's rebuild feeds every one in once).
+
+An engine with a full batch (vLLM's `--max-num-seqs`, or the KV cache) makes a new request wait for
+a running one to finish: seconds per request ahead, not the milliseconds of a prefill queue. The
+engines do not publish their batch limit, but they show it: a snapshot with requests waiting was
+taken at the limit, so its running count is the limit for that mix of prompts. The turnover is the
+rate at which requests reach their first token (the engines' counter), the rate at which waiting
+requests get a place once the batch is full."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+TURNOVER_WINDOW_S = 10.0  # the turnover's smoothing (snapshot time)
+KV_FULL = 0.9  # KV-cache usage at which a queue is the cache's limit
+PROBE_AFTER_S = 3.0  # full with none waiting this long: one more place is tried
+MAX_TRACKED_UPSTREAMS = 4096
+
+
+class BatchReport(Protocol):
+    """What is read of `fleet.view.Load` (a protocol: the view imports this module)."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def unknown(self) -> frozenset[str]: ...
+    @property
+    def published_at(self) -> float: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def counters(self) -> tuple[float | None, float, float] | None: ...
+
+
+@dataclass(slots=True)
+class _Batch:
+    published_at: float
+    epoch: int
+    limit: float | None = None  # running requests when last seen queueing (raised by larger batches)
+    full_since: float | None = None  # since when it runs at the limit with none waiting
+    queued_at: float | None = None  # running requests at the last snapshot, if it queued
+    confirmed: bool = False  # the limit was seen twice, or with the KV cache full
+    first_tokens: float | None = None  # the engines' cumulative count at the last snapshot
+    turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
+
+
+class BatchLimits:
+    """Per upstream: the batch limit and the turnover (see the module docstring); None while unknown
+    (the engines never queued, or publish no first-token counter)."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[str, _Batch] = {}
+
+    def limit(self, upstream_id: str) -> float | None:
+        """The confirmed limit (None before one is)."""
+        seen = self._seen.get(upstream_id)
+        return None if seen is None or not seen.confirmed else seen.limit
+
+    def turnover(self, upstream_id: str) -> float | None:
+        seen = self._seen.get(upstream_id)
+        return None if seen is None else seen.turnover
+
+    def forget(self, upstream_id: str) -> None:
+        self._seen.pop(upstream_id, None)
+
+    def take_all(self, loads: Mapping[str, BatchReport]) -> None:
+        for upstream_id, load in loads.items():
+            self.take(upstream_id, load)
+
+    def take(self, upstream_id: str, load: BatchReport) -> None:
+        """Take in `load`'s snapshot unless already taken."""
+        seen = self._seen.get(upstream_id)
+        if seen is not None and seen.epoch != load.epoch:  # restarted (maybe reconfigured)
+            seen = None
+        if seen is None:
+            if len(self._seen) >= MAX_TRACKED_UPSTREAMS:
+                self._seen.clear()
+            seen = self._seen[upstream_id] = _Batch(load.published_at, load.epoch)
+        elif seen.published_at >= load.published_at:
+            return
+        dt = load.published_at - seen.published_at
+        seen.published_at = load.published_at
+        if "num_running" not in load.unknown and "num_waiting" not in load.unknown:
+            kv = load.kv_cache_usage if "kv_cache_usage" not in load.unknown else 0.0
+            self._limit(seen, float(load.num_running), load.num_waiting, kv, load.published_at)
+        counters = load.counters
+        if counters is None:
+            seen.first_tokens = None
+            return
+        first = counters[1]
+        if seen.first_tokens is not None and first >= seen.first_tokens and dt > 0:
+            rate = (first - seen.first_tokens) / dt
+            if seen.turnover is None:
+                seen.turnover = rate
+            else:
+                seen.turnover += (1.0 - math.exp(-dt / TURNOVER_WINDOW_S)) * (rate - seen.turnover)
+        seen.first_tokens = first
+
+    @staticmethod
+    def _limit(seen: _Batch, running: float, waiting: int, kv_usage: float, at: float) -> None:
+        limit = seen.limit
+        if waiting > 0 and running > 0:
+            # Queueing: a limit, confirmed when the KV cache is full or the batch stayed the same
+            # size while requests waited (a sequence cap) two snapshots running. Otherwise it may be
+            # a burst of prefills filling each step's token budget while the batch grows: taken at
+            # once (a queue is there now) but probed upwards at every snapshot until confirmed.
+            seen.full_since = None
+            if kv_usage >= KV_FULL or seen.queued_at == running:
+                seen.limit, seen.confirmed = running, True
+            elif limit is None or not seen.confirmed:
+                seen.limit = running
+            seen.queued_at = running
+            return
+        seen.queued_at = None
+        if limit is None:
+            return
+        if running > limit:
+            seen.limit = limit = running  # it runs that many at once
+        if running >= limit - 1:
+            # Near the limit with no one waiting (admission holds lower classes a place below it):
+            # it may take more. One more place is tried after PROBE_AFTER_S of this (a limit too
+            # high costs the requests that then queue at the engine, and shows at once).
+            if seen.full_since is None:
+                seen.full_since = at
+            if at - seen.full_since >= (PROBE_AFTER_S if seen.confirmed else 0.0):
+                seen.limit = limit + 1
+                seen.full_since = None
+        else:
+            seen.full_since = None

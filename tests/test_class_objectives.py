@@ -1,0 +1,260 @@
+"""Class objectives: the batch limit learnt from snapshots (fleet/batch.py), the slot wait it adds to
+predicted TTFT, and admission keeping places for higher classes (lifecycle/admission.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from extproc.config import ConfigError
+from extproc.fleet import Upstream
+from extproc.fleet.batch import PROBE_AFTER_S, BatchLimits
+from extproc.lifecycle.admission import Admission, Verdict
+from extproc.openai import InferenceRequest, RequestError
+from extproc.scheduling.predicted_ttft import slot_wait
+from extproc.settings import Objective, admission_settings, objective_value
+
+
+@dataclass(frozen=True)
+class Snap:
+    num_running: int
+    num_waiting: int
+    published_at: float
+    counters: tuple[float | None, float, float] | None = None
+    epoch: int = 0
+    unknown: frozenset[str] = frozenset()
+    kv_cache_usage: float = 0.5
+
+
+def test_the_limit_is_the_batch_seen_queueing_and_a_growing_batch_is_no_limit() -> None:
+    b = BatchLimits()
+    b.take("e", Snap(3, 0, 1.0))
+    assert b.limit("e") is None  # never queued: unknown
+    b.take("e", Snap(5, 2, 1.5))  # a burst of prefills over a step's token budget...
+    b.take("e", Snap(7, 1, 2.0))  # ...while the batch grows
+    assert b.limit("e") is None
+    b.take("e", Snap(7, 3, 2.5))  # the same batch while requests wait: a sequence cap
+    assert b.limit("e") == 7
+    b.take("e", Snap(8, 0, 3.0))  # it ran 8 at once
+    assert b.limit("e") == 8
+    b.take("e", Snap(8, 0, 3.0))  # the same snapshot again: nothing new
+    assert b.limit("e") == 8
+    b.take("e", Snap(6, 1, 3.5, kv_cache_usage=0.95))  # the KV cache is full at 6
+    assert b.limit("e") == 6
+
+
+def test_a_full_batch_with_none_waiting_is_probed_one_place_at_a_time() -> None:
+    b = BatchLimits()
+    b.take("e", Snap(4, 1, 0.0, kv_cache_usage=1.0))
+    t = 0.5
+    while t <= PROBE_AFTER_S + 0.5:  # 3 running, a place below the limit, nobody waiting
+        b.take("e", Snap(3, 0, t))
+        t += 0.5
+    assert b.limit("e") == 5
+    b.take("e", Snap(1, 0, t))  # far below: no probing
+    assert b.limit("e") == 5
+
+
+def test_turnover_is_first_tokens_per_second_and_a_restart_forgets() -> None:
+    b = BatchLimits()
+    b.take("e", Snap(8, 1, 0.0, (None, 100.0, 5.0)))
+    assert b.turnover("e") is None
+    b.take("e", Snap(8, 1, 1.0, (None, 102.0, 5.0)))
+    assert b.limit("e") == 8
+    assert b.turnover("e") == pytest.approx(2.0)
+    b.take("e", Snap(8, 1, 2.0, (None, 102.0, 5.0)))
+    assert 1.0 < (b.turnover("e") or 0) < 2.0  # smoothed, not replaced
+    b.take("e", Snap(0, 0, 3.0, (None, 0.0, 0.0), epoch=1))  # restarted
+    assert b.limit("e") is None and b.turnover("e") is None
+    b.take("e", Snap(8, 1, 3.5, (None, 0.0, 0.0), unknown=frozenset({"num_waiting"})))
+    b.take("e", Snap(8, 1, 4.0, (None, 0.0, 0.0), unknown=frozenset({"num_waiting"})))
+    assert b.limit("e") is None  # a figure filled in from the fleet says nothing of this engine
+
+
+class Batches:
+    """The scheduling state admission and the predictor read: per upstream (occupancy, limit,
+    turnover)."""
+
+    def __init__(self, batches: dict[str, tuple[float, float | None, float | None]]) -> None:
+        self.batches = batches
+
+    def count(self, uid: str) -> int:
+        return 0
+
+    def load(self, uid: str) -> None:
+        return None
+
+    def pending(self, uid: str) -> int:
+        return 0
+
+    def batch(self, uid: str) -> tuple[float, float | None, float | None]:
+        return self.batches[uid]
+
+    def now(self) -> float:
+        return 0.0
+
+
+def test_slot_wait_counts_the_requests_beyond_the_limit_over_the_turnover() -> None:
+    state: Any = Batches({"a": (7.0, 8.0, 2.0), "b": (10.0, 8.0, 2.0), "c": (10.0, None, 2.0)})
+    assert slot_wait(state, "a") == 0.0  # a place is free
+    assert slot_wait(state, "a", extra=1) == pytest.approx(0.5)
+    assert slot_wait(state, "b") == pytest.approx(1.5)  # three ahead of a place, it included
+    assert slot_wait(state, "c") == 0.0  # no limit known
+
+
+def request(klass: str, model: str = "m") -> InferenceRequest:
+    priority = {"critical": 1, "standard": 0, "sheddable": -1}[klass]
+    return InferenceRequest(
+        api="chat",  # type: ignore[arg-type]
+        model=model,
+        stream=False,
+        max_tokens=4,
+        prompt_text="hello",
+        prompt_token_ids=None,
+        session=None,
+        user="u1",
+        priority=priority,
+        body_bytes=10,
+    )
+
+
+def admission(batches: dict[str, tuple[float, float | None, float | None]], **settings: Any) -> Admission:
+    ups = tuple(Upstream(uid, uid, None, 1.0) for uid in batches)
+    return Admission(
+        admission_settings({"enabled": True, **settings}),
+        lambda model: ups,
+        Batches(batches),  # type: ignore[arg-type]
+        backlog=lambda u: (0.0, 0.1),
+    )
+
+
+def test_standard_leaves_a_place_for_critical_and_sheddable_one_more() -> None:
+    # One engine, batch limit 8, one request a second finishing: no critical traffic seen yet.
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (5.0, 8.0, 1.0)}
+    adm = admission(batches)
+    assert adm.decide(request("sheddable")) is Verdict.ADMIT  # 5 + 1 leaves two places
+    batches["e"] = (6.0, 8.0, 1.0)
+    with pytest.raises(RequestError) as info:
+        adm.decide(request("sheddable"))
+    assert info.value.status == 429
+    assert adm.decide(request("standard")) is Verdict.ADMIT  # 6 + 1 leaves one for a critical
+    batches["e"] = (7.0, 8.0, 1.0)
+    assert adm.decide(request("standard")) is Verdict.QUEUE
+    batches["e"] = (12.0, 8.0, 1.0)
+    assert adm.decide(request("critical")) is Verdict.ADMIT  # never held back here
+    batches["e"] = (2.0, None, None)
+    assert adm.decide(request("sheddable")) is Verdict.ADMIT  # no limit known: no class rule
+
+
+def test_more_critical_traffic_keeps_more_places() -> None:
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (6.0, 8.0, 1.0)}
+    adm = admission(batches)
+    assert adm.decide(request("standard")) is Verdict.ADMIT
+    for _ in range(10):  # one critical request a second over the rate window, at one engine
+        adm.decide(request("critical"))
+    assert adm.critical_rate("m") == pytest.approx(1.0, rel=0.01)
+    assert adm.decide(request("standard")) is Verdict.QUEUE  # 1 + round(2 x 1 / 1) = 3 kept
+
+
+def test_a_looser_critical_objective_lets_lower_classes_queue_at_the_engine() -> None:
+    # Critical may wait 2 turnovers beyond the batch ("3x" of a 1 s unloaded TTFT, one a second).
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}
+    adm = admission(batches, objectives={"critical": "3x", "standard": "10x"})
+    adm.backlog = lambda u: (0.0, 1.0)
+    assert adm.decide(request("standard")) is Verdict.ADMIT
+    batches["e"] = (9.0, 8.0, 1.0)
+    assert adm.decide(request("standard")) is Verdict.QUEUE
+
+
+def test_a_standard_request_past_its_own_objective_waits_in_the_router() -> None:
+    # A best-effort critical class: only standard's own objective (1x: no wait) holds it back.
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (7.0, 8.0, 1.0)}
+    adm = admission(batches, objectives={"critical": None, "standard": "1x"})
+    assert adm.decide(request("standard")) is Verdict.ADMIT
+    batches["e"] = (8.0, 8.0, 1.0)
+    assert adm.decide(request("standard")) is Verdict.QUEUE
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("1x", Objective(factor=1.0)),
+        ("4x", Objective(factor=4.0)),
+        ("500ms", Objective(seconds=0.5)),
+        ("2s", Objective(seconds=2.0)),
+        (1.5, Objective(seconds=1.5)),
+        (None, Objective()),
+        ("best-effort", Objective()),
+    ],
+)
+def test_objective_values(raw: Any, expected: Objective) -> None:
+    assert objective_value(raw, "x") == expected
+
+
+@pytest.mark.parametrize("raw", ["0.5x", "fast", -1, 0, "0ms", True, [1]])
+def test_bad_objectives_are_config_errors_naming_the_key(raw: Any) -> None:
+    with pytest.raises(ConfigError, match=r"admission.objectives.critical"):
+        admission_settings({"objectives": {"critical": raw}}, "admission")
+    with pytest.raises(ConfigError, match="unknown"):
+        admission_settings({"objectives": {"vip": "1x"}}, "admission")
+
+
+def test_objective_budgets() -> None:
+    assert Objective(factor=4.0).budget(0.5) == pytest.approx(1.5)
+    assert Objective(seconds=2.0).budget(0.5) == pytest.approx(1.5)
+    assert Objective(seconds=0.2).budget(0.5) == 0.0
+    assert Objective().budget(0.5) is None
+
+
+def test_past_capacity_the_classes_separate_and_goodput_holds_in_the_des() -> None:
+    """Issue 33's shape in virtual time (small: 300 requests): engines with 8-sequence batches, at
+    50 % and 200 % of their capacity. Without admission every class queues at the engines; with it
+    critical requests keep their place, sheddable ones are shed first, and goodput holds."""
+    from extproc_lab.bench.priorities import row_stats
+    from extproc_lab.discrete_event.class_objectives import (
+        CELLS,
+        NO_ADMISSION,
+        OURS,
+        Config,
+        class_checks,
+        markdown,
+        run_row,
+        workload,
+    )
+
+    cfg = Config(count=300)
+    cell = CELLS["s6-a10g"]
+    loads: dict[str, Any] = {}
+    for load in (0.5, 2.0):
+        wl = workload(cell, cfg, 7.5 * load)
+        rows = {
+            row: row_stats(row, run_row(cell, cfg, wl, row), wl.duration_s, cfg.slo, cfg.warmup)
+            for row in (OURS, NO_ADMISSION, "round-robin")
+        }
+        loads[f"{load:g}"] = {"rate_rps": 7.5 * load, "window_s": wl.duration_s, "policies": rows}
+    low, high = loads["0.5"]["policies"], loads["2"]["policies"]
+    assert low[OURS]["ok"] == 300  # nothing shed at half the capacity
+    ours, none = high[OURS], high[NO_ADMISSION]
+    assert ours["goodput_rps"] > 1.5 * none["goodput_rps"], (ours["goodput_rps"], none["goodput_rps"])
+    k = ours["classes"]
+    assert k["critical"]["shed"] == 0 and k["sheddable"]["shed"] > 0
+    assert k["critical"]["ttft_p50_ms"] < 0.1 * none["classes"]["critical"]["ttft_p50_ms"]
+    assert k["critical"]["ttft_p50_ms"] < k["standard"]["ttft_p50_ms"]
+    checks = class_checks(loads, OURS)
+    assert checks["loads"]["2"]["critical_shed"] == 0 and checks["loads"]["2"]["sheddable_first"]
+    assert checks["loads"]["2"]["goodput"] > checks["loads"]["2"]["best_peer_goodput"]
+    result = {
+        "config": {"count": 300, "seed": 0, "slo_ttft_s": 2.0, "admission": cfg.admission},
+        "cells": {
+            "s6-a10g": {
+                "capacity_rps": 7.5,
+                "capacity_by": "given",
+                "loads": loads,
+                "checks": {row: class_checks(loads, row) for row in (OURS, NO_ADMISSION)}
+                | {"llm-extproc (+ engine priority)": checks},
+            }
+        },
+    }
+    assert "| s6-a10g | llm-extproc |" in markdown(result)
