@@ -371,12 +371,12 @@ class Admission:
             bounds = ((objectives.critical, kept), (objectives.standard, 0))
         else:
             bounds = ((objectives.critical, kept + 1), (objectives.standard, 1), (objectives.sheddable, 0))
-        for objective, kept in bounds:
+        for objective, reserved in bounds:
             budget = objective.budget(unloaded)
             if budget is None:
                 continue
             places = math.floor(budget * turnover) if turnover else 0  # beyond the batch, within it
-            free = min(free, math.floor(limit) + places - kept - occupancy)
+            free = min(free, math.floor(limit) + places - reserved - occupancy)
         return free
 
     def headroom(
