@@ -683,6 +683,21 @@ def test_des_admission_sheds_sheddable_first_and_counts_queue_time() -> None:
     assert timeouts == len(shed["standard"])
     assert waited == pytest.approx(sum(r.e2e_s for r in shed["standard"]))
     assert all(0.25 <= r.e2e_s <= 1.5 for r in shed["standard"])
+    # every request placed by the profile (not by the fallback before the first snapshot) has its
+    # predicted TTFT counted under its class, and critical requests were predicted sooner than the
+    # classes held back for them
+    metric = run.metrics.registry.get_sample_value
+    predicted: dict[str, float] = {}
+    placed = 0.0
+    for klass in by_class:
+        count = metric("llm_extproc_predicted_ttft_seconds_count", {"priority": klass}) or 0.0
+        predicted[klass] = (
+            metric("llm_extproc_predicted_ttft_seconds_sum", {"priority": klass}) or 0.0
+        ) / count
+        placed += count
+    fallbacks = metric("llm_extproc_fallbacks_total", {"reason": "no_fresh_snapshot"}) or 0.0
+    assert placed + fallbacks == sum(1 for r in run.records if r.ok) and fallbacks < 5
+    assert predicted["critical"] < predicted["standard"], predicted
     # without admission (the default in this mode) everything is served
     plain = simulate(requests, profiles, "llm-extproc", headers=wl.headers)
     assert all(r.ok for r in plain.records)

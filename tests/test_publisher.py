@@ -18,7 +18,7 @@ from extproc.publishers import InstanceSpec, Publisher, PublisherConfig, load_pu
 from extproc.publishers.config import instance_from_dict
 from extproc.publishers.engines import EngineLoad
 from extproc.publishers.snapshot_fields import _fill_load, _Previous
-from extproc.settings import RedisSettings
+from extproc.settings import ConfigError, RedisSettings
 from extproc_lab.engines import SimEngine
 from extproc_lab.engines.profiles import A10G_LLAMA3_8B
 
@@ -834,3 +834,64 @@ async def test_run_follows_the_instance_list_and_serves_metrics(monkeypatch: pyt
         for e in engines:
             await e.stop()
     assert redis.closed
+
+
+# -- the batch limit (max_num_seqs) ---------------------------------------------------------------------
+def test_max_num_seqs_from_the_config_wins_over_the_engines_figure_and_reaches_the_service() -> None:
+    from dataclasses import replace
+
+    from extproc.fleet import ClusterSpec, FleetView, Pool
+    from extproc.fleet.snapshots import validate
+    from extproc.publishers.engines import normalize
+
+    p = publisher()
+    assert not p.snapshot(SPEC, 200, load(), _Previous()).HasField("max_num_seqs")  # not known
+    engine = normalize(
+        "sglang", 'sglang:num_running_reqs{name="m"} 3\nsglang:max_running_requests{name="m"} 48\n'
+    )
+    assert engine.max_num_seqs == 48
+    assert p.snapshot(SPEC, 200, engine, _Previous()).max_num_seqs == 48  # the engine's own figure
+    spec = replace(SPEC, max_num_seqs=8)
+    snap = p.snapshot(spec, 200, engine, _Previous())
+    assert snap.max_num_seqs == 8  # the configured one
+    snap.published_at_ms = int(time.time() * 1000)
+    state = validate(snap, frozenset({"gpu-a"}), now=time.time())
+    assert state.max_num_seqs == 8
+    twin = validate(replace_address(snap, "10.0.0.6:8000"), frozenset({"gpu-a"}), now=time.time())
+    view = FleetView(Pool(clusters=(ClusterSpec("gpu-a", ("llama",)),)))
+    view.apply(state)
+    view.apply(twin)
+    view.rebuild()
+    upstream = view.load("gpu-a")
+    assert upstream is not None and upstream.max_num_seqs == 16  # summed over the instances
+    assert view.batches.limit("gpu-a") == 16  # the batch limit before any queue showed it
+    view.apply(
+        validate(
+            replace_address(snap, "10.0.0.7:8000", keep_seqs=False), frozenset({"gpu-a"}), now=time.time()
+        )
+    )
+    view.rebuild()
+    assert view.load("gpu-a").max_num_seqs is None  # type: ignore[union-attr]  # not every instance says
+    snap.max_num_seqs = 2_000_000  # beyond any engine: not used (the publisher never writes it)
+    assert validate(snap, frozenset({"gpu-a"}), now=time.time()).max_num_seqs is None
+    rejected = _fill_load(spb.UpstreamSnapshot(), replace(engine, max_num_seqs=10**7), _Previous())
+    assert ("max_num_seqs", "too_large") in rejected
+
+
+def replace_address(snap: spb.UpstreamSnapshot, address: str, keep_seqs: bool = True) -> spb.UpstreamSnapshot:
+    other = spb.UpstreamSnapshot()
+    other.CopyFrom(snap)
+    other.address, other.upstream_id = address, f"gpu-a/{address}"
+    if not keep_seqs:
+        other.ClearField("max_num_seqs")
+    return other
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "8", True, 10**7])
+def test_a_bad_max_num_seqs_is_a_config_error_naming_the_key(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        instance_from_dict({"cluster": "c", "address": "10.0.0.7:8000", "max_num_seqs": bad})
+    assert (
+        instance_from_dict({"cluster": "c", "address": "10.0.0.7:8000", "max_num_seqs": 256}).max_num_seqs
+        == 256
+    )

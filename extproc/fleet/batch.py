@@ -6,7 +6,9 @@ a running one to finish: seconds per request ahead, not the milliseconds of a pr
 engines do not publish their batch limit, but they show it: a snapshot with requests waiting was
 taken at the limit, so its running count is the limit for that mix of prompts. The turnover is the
 rate at which requests reach their first token (the engines' counter), the rate at which waiting
-requests get a place once the batch is full."""
+requests get a place once the batch is full. Where the publisher says how many requests the engines
+run at once (`max_num_seqs`), that is the limit from the first snapshot on (a cold fleet fills its
+batches within seconds, before any queue shows them), lowered where the KV cache fills first."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Protocol
 TURNOVER_WINDOW_S = 10.0  # the turnover's smoothing (snapshot time)
 KV_FULL = 0.9  # KV-cache usage at which a queue is the cache's limit
 PROBE_AFTER_S = 3.0  # full with none waiting this long: one more place is tried
+PROBE_BACKOFF_MAX_S = 48.0  # a probe that failed (a queue at the old limit) doubles the wait to this
 MAX_TRACKED_UPSTREAMS = 4096
 
 
@@ -38,6 +41,8 @@ class BatchReport(Protocol):
     def epoch(self) -> int: ...
     @property
     def counters(self) -> tuple[float | None, float, float] | None: ...
+    @property
+    def max_num_seqs(self) -> int | None: ...
 
 
 @dataclass(slots=True)
@@ -46,10 +51,14 @@ class _Batch:
     epoch: int
     limit: float | None = None  # running requests when last seen queueing (raised by larger batches)
     full_since: float | None = None  # since when it runs at the limit with none waiting
+    probe_after: float = PROBE_AFTER_S  # how long full with none waiting before the next probe
+    probed_from: float | None = None  # the confirmed limit before the probe now open
     queued_at: float | None = None  # running requests at the last snapshot, if it queued
     confirmed: bool = False  # the limit was seen twice, or with the KV cache full
     first_tokens: float | None = None  # the engines' cumulative count at the last snapshot
     turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
+    cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
+    published_cap: float | None = None  # the figure last published (a wrong one is not trusted again)
 
 
 class BatchLimits:
@@ -62,9 +71,12 @@ class BatchLimits:
         self._seen: dict[str, _Batch] = {}
 
     def limit(self, upstream_id: str) -> float | None:
-        """The confirmed limit (None before one is)."""
+        """The confirmed limit, or the running count of the last snapshot if it queued (a cold
+        fleet's engines fill within seconds of their first queue); None otherwise."""
         seen = self._seen.get(upstream_id)
-        return None if seen is None or not seen.confirmed else seen.limit
+        if seen is None:
+            return None
+        return seen.limit if seen.confirmed else seen.queued_at
 
     def turnover(self, upstream_id: str) -> float | None:
         seen = self._seen.get(upstream_id)
@@ -90,6 +102,11 @@ class BatchLimits:
             return
         dt = load.published_at - seen.published_at
         seen.published_at = load.published_at
+        cap = None if load.max_num_seqs is None else float(load.max_num_seqs)
+        if cap != seen.published_cap:
+            seen.published_cap = seen.cap = cap
+            if cap is not None and (seen.limit is None or not seen.confirmed or seen.limit > cap):
+                seen.limit, seen.confirmed, seen.probed_from = cap, True, None
         if "num_running" not in load.unknown and "num_waiting" not in load.unknown:
             kv = load.kv_cache_usage if "kv_cache_usage" not in load.unknown else 0.0
             self._limit(seen, float(load.num_running), load.num_waiting, kv, load.published_at)
@@ -112,10 +129,16 @@ class BatchLimits:
         if waiting > 0 and running > 0:
             # Queueing: a limit, confirmed when the KV cache is full or the batch stayed the same
             # size while requests waited (a sequence cap) two snapshots running. Otherwise it may be
-            # a burst of prefills filling each step's token budget while the batch grows: taken at
-            # once (a queue is there now) but probed upwards at every snapshot until confirmed.
+            # a burst of prefills filling each step's token budget while the batch grows: used only
+            # while the queue is there (limit()), and probed upwards at every snapshot.
             seen.full_since = None
-            if kv_usage >= KV_FULL or seen.queued_at == running:
+            if seen.probed_from is not None and running <= seen.probed_from:
+                # The probe failed: back to the limit it started from, and the next one waits
+                # twice as long (each probe costs the request that queues behind the batch).
+                seen.limit = seen.probed_from
+                seen.probe_after = min(2.0 * seen.probe_after, PROBE_BACKOFF_MAX_S)
+                seen.probed_from = None
+            elif kv_usage >= KV_FULL or seen.queued_at == running:
                 seen.limit, seen.confirmed = running, True
             elif limit is None or not seen.confirmed:
                 seen.limit = running
@@ -124,15 +147,22 @@ class BatchLimits:
         seen.queued_at = None
         if limit is None:
             return
-        if running > limit:
-            seen.limit = limit = running  # it runs that many at once
+        if running > limit or (seen.probed_from is not None and running > seen.probed_from):
+            seen.limit = limit = max(limit, running)  # it runs that many at once
+            seen.probe_after, seen.probed_from = PROBE_AFTER_S, None
+            if seen.cap is not None and running > seen.cap:
+                seen.cap = None  # the published figure is wrong: learnt like any other
         if running >= limit - 1:
             # Near the limit with no one waiting (admission holds lower classes a place below it):
-            # it may take more. One more place is tried after PROBE_AFTER_S of this (a limit too
+            # it may take more. One more place is tried after `probe_after` of this (a limit too
             # high costs the requests that then queue at the engine, and shows at once).
             if seen.full_since is None:
                 seen.full_since = at
-            if at - seen.full_since >= (PROBE_AFTER_S if seen.confirmed else 0.0):
+            if seen.cap is not None and limit >= seen.cap:
+                seen.full_since = None  # at the published limit: nothing to try
+            elif at - seen.full_since >= (seen.probe_after if seen.confirmed else 0.0):
+                if seen.confirmed and seen.probed_from is None:
+                    seen.probed_from = limit
                 seen.limit = limit + 1
                 seen.full_since = None
         else:

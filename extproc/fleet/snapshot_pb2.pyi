@@ -21,7 +21,7 @@ DRAINING: Readiness
 DOWN: Readiness
 
 class UpstreamSnapshot(_message.Message):
-    __slots__ = ("upstream_id", "cluster", "address", "engine", "models", "lora_adapters", "readiness", "capacity_weight", "max_lora", "num_running", "num_waiting", "kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "gpu_utilization", "gpu_memory_usage", "prefix_cache_hit_rate", "ttft_seconds", "tpot_seconds", "prefill_tokens_per_s", "prompt_tokens_total", "first_tokens_total", "ttft_seconds_total", "publisher_id", "sequence", "published_at_ms", "ttl_ms", "load_presence", "readiness_reason", "gpu_model")
+    __slots__ = ("upstream_id", "cluster", "address", "engine", "models", "lora_adapters", "readiness", "capacity_weight", "max_lora", "max_num_seqs", "num_running", "num_waiting", "kv_cache_usage", "kv_blocks_total", "kv_blocks_free", "block_size", "max_model_len", "gpu_utilization", "gpu_memory_usage", "prefix_cache_hit_rate", "ttft_seconds", "tpot_seconds", "prefill_tokens_per_s", "prompt_tokens_total", "first_tokens_total", "ttft_seconds_total", "publisher_id", "sequence", "published_at_ms", "ttl_ms", "load_presence", "readiness_reason", "gpu_model")
     UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class UpstreamSnapshot(_message.Message):
     READINESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +64,7 @@ class UpstreamSnapshot(_message.Message):
     readiness: Readiness
     capacity_weight: float
     max_lora: int
+    max_num_seqs: int
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -86,4 +88,4 @@ class UpstreamSnapshot(_message.Message):
     load_presence: bool
     readiness_reason: str
     gpu_model: str
-    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., readiness: _Optional[_Union[Readiness, str]] = ..., capacity_weight: _Optional[float] = ..., max_lora: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., gpu_memory_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prompt_tokens_total: _Optional[float] = ..., first_tokens_total: _Optional[float] = ..., ttft_seconds_total: _Optional[float] = ..., publisher_id: _Optional[str] = ..., sequence: _Optional[int] = ..., published_at_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., load_presence: _Optional[bool] = ..., readiness_reason: _Optional[str] = ..., gpu_model: _Optional[str] = ...) -> None: ...
+    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., engine: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., readiness: _Optional[_Union[Readiness, str]] = ..., capacity_weight: _Optional[float] = ..., max_lora: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., gpu_utilization: _Optional[float] = ..., gpu_memory_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., ttft_seconds: _Optional[float] = ..., tpot_seconds: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prompt_tokens_total: _Optional[float] = ..., first_tokens_total: _Optional[float] = ..., ttft_seconds_total: _Optional[float] = ..., publisher_id: _Optional[str] = ..., sequence: _Optional[int] = ..., published_at_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., load_presence: _Optional[bool] = ..., readiness_reason: _Optional[str] = ..., gpu_model: _Optional[str] = ...) -> None: ...

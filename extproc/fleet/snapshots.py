@@ -81,6 +81,7 @@ class InstanceState:
     # Optional signals (None: not published). max_lora: LoRA adapter slots in GPU memory;
     # gpu_utilization / gpu_memory_usage: 0..1, the busiest / fullest of the instance's GPUs.
     max_lora: int | None = None
+    max_num_seqs: int | None = None  # the most requests it runs at once (configured or the engine's)
     gpu_utilization: float | None = None
     gpu_memory_usage: float | None = None
     prefill_tokens_per_s: float | None = None  # measured (publishers/prefill_rate.py); None: not yet
@@ -173,12 +174,20 @@ def validate(
         published_at=published,
         expires_at=published + msg.ttl_ms / 1000.0,
         max_lora=msg.max_lora if msg.HasField("max_lora") and msg.max_lora <= MAX_LORA_SLOTS else None,
+        max_num_seqs=_max_num_seqs(msg),
         gpu_utilization=_fraction(msg, "gpu_utilization"),
         gpu_memory_usage=_fraction(msg, "gpu_memory_usage"),
         prefill_tokens_per_s=_prefill_rate(msg),
         gpu_model=_gpu_model(msg.gpu_model),
         counters=_counters(msg),
     )
+
+
+def _max_num_seqs(msg: spb.UpstreamSnapshot) -> int | None:
+    """The published batch limit, or None (absent, 0, or beyond any engine's: not used)."""
+    if not msg.HasField("max_num_seqs") or not 0 < msg.max_num_seqs <= MAX_QUEUE:
+        return None
+    return msg.max_num_seqs
 
 
 def _counters(msg: spb.UpstreamSnapshot) -> tuple[float | None, float, float] | None:

@@ -88,6 +88,9 @@ class Load:
     # summed over the instances; None unless every instance publishes them (the prompt tokens alone
     # None unless every instance publishes those).
     counters: tuple[float | None, float, float] | None = None
+    # The most requests the instances run at once, summed; None unless every instance says
+    # (publisher `max_num_seqs:`, or the engine's own figure).
+    max_num_seqs: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -367,6 +370,7 @@ class _ExtraSignals(TypedDict):
     prefill_tokens_per_s: float | None
     gpu_speed: float | None
     counters: tuple[float | None, float, float] | None
+    max_num_seqs: int | None
 
 
 def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
@@ -380,7 +384,9 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
     prefill: list[float] = []
     nominal: list[float] = []
     counters: tuple[float | None, float, float] | None = (0.0, 0.0, 0.0)
+    seqs: int | None = 0
     for i in insts:
+        seqs = None if seqs is None or i.max_num_seqs is None else seqs + i.max_num_seqs
         if counters is not None:
             c = i.counters
             if c is None:
@@ -416,6 +422,7 @@ def _extra_signals(insts: list[InstanceState]) -> _ExtraSignals:
         "prefill_tokens_per_s": sum(prefill) * len(insts) / len(prefill) if prefill else None,
         "gpu_speed": sum(nominal) * len(insts) / len(nominal) if nominal else None,
         "counters": counters if insts else None,
+        "max_num_seqs": seqs if insts else None,
     }
 
 

@@ -329,7 +329,7 @@ class Admission:
         self._queues: dict[str, FairQueue] = {}
         self._granted: dict[str, int] = {}  # woken waiters not yet scheduled, per model
         self._queued = 0
-        self._critical: dict[str, tuple[float, float]] = {}  # model -> (rate, when)
+        self._critical: dict[str, tuple[float, float, float]] = {}  # model -> (rate, when, since)
 
     # -- the signal ------------------------------------------------------------------------------
     def room(self, model: str, klass: PriorityClass = PriorityClass.STANDARD) -> float:
@@ -477,14 +477,18 @@ class Admission:
         held = self._critical.get(model or "")
         if held is None:
             return 0.0
-        rate, at = held
-        return rate * math.exp(-max(0.0, self.clock() - at) / CRITICAL_RATE_WINDOW_S)
+        rate, at, since = held
+        now = self.clock()
+        # Counted for less than the window, the decayed count is short of the rate by the share
+        # of the window not yet seen (a cold start would otherwise keep too few places).
+        seen = 1.0 - math.exp(-max(1.0, now - since) / CRITICAL_RATE_WINDOW_S)
+        return rate * math.exp(-max(0.0, now - at) / CRITICAL_RATE_WINDOW_S) / seen
 
     def _count_critical(self, model: str) -> None:
         now = self.clock()
-        rate, at = self._critical.get(model, (0.0, now))
+        rate, at, since = self._critical.get(model, (0.0, now, now))
         decay = math.exp(-max(0.0, now - at) / CRITICAL_RATE_WINDOW_S)
-        self._critical[model] = (rate * decay + 1.0 / CRITICAL_RATE_WINDOW_S, now)
+        self._critical[model] = (rate * decay + 1.0 / CRITICAL_RATE_WINDOW_S, now, since)
 
     @property
     def queued(self) -> int:

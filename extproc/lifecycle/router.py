@@ -379,6 +379,9 @@ class RequestLifecycle:
         if upstream is None:
             raise no_upstream(request.model)
         # -- record --------------------------------------------------------------------------------
+        if request.predicted_ttft_s is not None:
+            klass = priority_class(request.priority).value
+            self.metrics.predicted_ttft_by(klass).observe(request.predicted_ttft_s)
         lease = self.inflight.acquire(upstream)
         self.metrics.requests_by(self.metrics.model_label(request.model), upstream.cluster, "routed").inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)

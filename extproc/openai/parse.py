@@ -88,6 +88,9 @@ class InferenceRequest:
     tpot_slo_ms: float | None = None
     """Time-per-output-token objective (client header, else the route's): `decode-speed` steers the
     request toward engines decoding within it, `slo-tpot` sheds it (429) when none does."""
+    predicted_ttft_s: float | None = None
+    """Set by the profile's TTFT predictor when the request is placed: its own predicted TTFT on the
+    upstream chosen (the per-class metrics read it)."""
 
     def release_prompt(self) -> None:
         """Drop the prompt (text, messages, token ids) once the request is routed, so that a routed

@@ -13,6 +13,7 @@ import yaml
 
 from extproc.fleet.gpus import MAX_GPU_NAME
 from extproc.fleet.pool import parse_endpoint
+from extproc.fleet.snapshots import MAX_QUEUE
 from extproc.publishers.engines import (
     ENGINE_METRICS,
 )
@@ -64,6 +65,10 @@ class InstanceSpec:
     # The GPU's name, e.g. "NVIDIA H100 80GB HBM3" or "A10G" (published as gpu_model: the service's
     # prefill-speed prior until the rate is measured, fleet/gpus.py). "": DCGM's modelName, if any.
     gpu: str = ""
+    # The most requests the engine runs at once (vLLM's --max-num-seqs, SGLang's
+    # --max-running-requests), published as max_num_seqs: the service's batch limit from the first
+    # snapshot on. None: the engine's own figure where it publishes one, else learnt from its queues.
+    max_num_seqs: int | None = None
     # The engine's KV-cache events (vLLM/SGLang ZMQ PUB): subscribed, mapped to the service's prefix
     # index blocks and published to Redis (publishers/kv_events.py). None: no events.
     kv_events: KvEventsSpec | None = None
@@ -166,8 +171,23 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
         dcgm_url=dcgm_url,
         dcgm_gpus=dcgm_gpus,
         gpu=gpu,
+        max_num_seqs=_max_num_seqs(raw),
         kv_events=kv_events_spec(raw.get("kv_events"), f"publisher: instance {raw['address']}"),
     )
+
+
+def _max_num_seqs(raw: dict[str, Any]) -> int | None:
+    value = raw.get("max_num_seqs")
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():  # Envoy's metadata numbers are doubles
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUEUE:
+        raise ConfigError(
+            f"publisher: instance {raw['address']}: 'max_num_seqs' must be an integer from 1 to "
+            f"{MAX_QUEUE} (the engine's --max-num-seqs), got {value!r}"
+        )
+    return value
 
 
 def _dcgm_settings(raw: dict[str, Any]) -> tuple[str, tuple[str, ...]]:

@@ -38,6 +38,7 @@ class EngineLoad:
     gpu_memory_usage: float | None = None  # fraction 0..1 (from an NVIDIA DCGM exporter, see normalize_dcgm)
     gpu_model: str | None = None  # the GPU's name (DCGM's modelName label), a prefill-speed prior
     max_lora: int | None = None  # LoRA adapter slots in GPU memory
+    max_num_seqs: int | None = None  # the most requests the engine runs at once
     # Cumulative counters; the publisher turns deltas between scrapes into rates and means.
     prefix_cache_hits: float | None = None
     prefix_cache_queries: float | None = None
@@ -97,6 +98,7 @@ class EngineMetrics:
     max_model_len: Candidates = ()
     gpu_utilization: Candidates = ()
     max_lora: Candidates = ()  # LoRA adapter slots in GPU memory
+    max_num_seqs: Candidates = ()  # the most requests the engine runs at once
     prefix_cache_hits: Candidates = ()
     prefix_cache_queries: Candidates = ()
     prefix_cache_hit_rate: Candidates = ()
@@ -169,6 +171,8 @@ _VLLM = EngineMetrics(
 #   created only with --enable-lora (SchedulerMetricsCollector in python/sglang/srt/metrics/collector.py);
 #   read as the adapter slots (max over dp ranks: each rank has its own pool). SGLang publishes no
 #   adapter names (lora_pool_slots_used is a count), so lora_adapters stays empty.
+# - max_running_requests: gauge "Maximum running requests" in the v0.3 docs' example (the server's
+#   --max-running-requests); read as the batch limit where published (max over series).
 # Not offered: kv_blocks_free, gpu_utilization, LoRA adapter names.
 _SGLANG = EngineMetrics(
     num_running=_m("sglang:num_running_reqs"),
@@ -184,6 +188,7 @@ _SGLANG = EngineMetrics(
     ttft=_m("sglang:time_to_first_token_seconds"),
     tpot=_m("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
     max_lora=_m("sglang:lora_pool_slots_total"),
+    max_num_seqs=_m("sglang:max_running_requests"),
     model_labels=("model_name", "name"),
 )
 
@@ -278,10 +283,26 @@ ENGINE_METRICS: dict[str, EngineMetrics] = {
 
 # Generic rules, not per engine: fractions and sizes take the max over series, counts the sum.
 _MAX_FIELDS = frozenset(
-    {"kv_cache_usage", "gpu_utilization", "prefix_cache_hit_rate", "block_size", "max_model_len", "max_lora"}
+    {
+        "kv_cache_usage",
+        "gpu_utilization",
+        "prefix_cache_hit_rate",
+        "block_size",
+        "max_model_len",
+        "max_lora",
+        "max_num_seqs",
+    }
 )
 _INT_FIELDS = frozenset(
-    {"kv_blocks_total", "kv_blocks_free", "kv_tokens_total", "block_size", "max_model_len", "max_lora"}
+    {
+        "kv_blocks_total",
+        "kv_blocks_free",
+        "kv_tokens_total",
+        "block_size",
+        "max_model_len",
+        "max_lora",
+        "max_num_seqs",
+    }
 )
 _HISTOGRAMS = ("ttft", "tpot")
 _NOT_SCALARS = {*_HISTOGRAMS, "model_labels", "lora_info", "metrics_path", "prompt_tokens_cached"}

@@ -54,6 +54,7 @@ async def discover_from_envoy(session: aiohttp.ClientSession, admin: str) -> lis
                                     "dcgm_url",
                                     "dcgm_gpus",
                                     "gpu",
+                                    "max_num_seqs",
                                     "kv_events",
                                 )
                                 if k in meta

@@ -480,6 +480,8 @@ class Publisher:
         if load is not None:
             rejected = _fill_load(snap, load, prev)
             snap.lora_adapters.extend(_names(load.lora_adapters, "lora_adapters", rejected))
+        if spec.max_num_seqs is not None:  # configured: wins over the engine's own figure
+            snap.max_num_seqs = spec.max_num_seqs
         gpu = spec.gpu or (load.gpu_model if load is not None else None)
         if gpu and len(gpu) <= MAX_GPU_NAME and gpu.isprintable():
             snap.gpu_model = gpu

@@ -115,6 +115,9 @@ def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) ->
     slots = _checked("max_lora", load.max_lora, MAX_LORA_SLOTS, rejected)
     if slots is not None:
         snap.max_lora = int(slots)
+    seqs = _checked("max_num_seqs", load.max_num_seqs, MAX_QUEUE, rejected)
+    if seqs:
+        snap.max_num_seqs = int(seqs)
     ttft, prev.ttft = _interval_mean(load.ttft_sum, load.ttft_count, prev.ttft)
     ttft = _checked("ttft", ttft, MAX_LATENCY_S, rejected)
     if ttft is not None:

@@ -484,6 +484,7 @@ class PredictedTtftScorer:
         if own is None:  # not scored: its queue and its prefill
             own = self._wait(model, load, now) + prefill_s
         self.calibration.sent(upstream.id, now, pred.tokens, own)
+        request.predicted_ttft_s = own
         model.busy_until = max(now, model.busy_until) + prefill_s
         model.sent.append((now, prefill_s))
         model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1

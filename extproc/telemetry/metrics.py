@@ -112,6 +112,7 @@ class _LoopFailures:
 
 # Decision latency is tens of microseconds to a few milliseconds; buckets cover both ends.
 _PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
+_TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 _QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 5.0)
 _DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
@@ -344,6 +345,14 @@ class Metrics:
             ["priority", "decision", "reason"],
             registry=self.registry,
         )
+        self.predicted_ttft = Histogram(
+            "llm_extproc_predicted_ttft_seconds",
+            "Placed requests' own predicted TTFT on the upstream chosen (the profile's TTFT "
+            "predictor, queue wait included), by priority class.",
+            ["priority"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.admission_queue = Gauge(
             "llm_extproc_admission_queue_length",
             "Requests waiting in the admission queue (all models).",
@@ -387,6 +396,7 @@ class Metrics:
         self.tokenized_by = Children(self.tokenized)
         self.tokenized_tokens_by = Children(self.tokenized_tokens)
         self.admission_by = Children(self.admission)  # with admission on: every request
+        self.predicted_ttft_by = Children(self.predicted_ttft)
         self.endpoint_served_by = Children(self.endpoint_served)  # endpoint mode: every request
         for cluster in clusters:
             self.inflight_by(cluster).set(0)

@@ -430,6 +430,7 @@ async def _start_target(
     replicas: int = 1,
     service_extra: dict[str, Any] | None = None,
     gateways: list[LocalGateway] | None = None,
+    max_num_seqs: bool = False,
 ) -> str | None:
     workdir.mkdir(parents=True, exist_ok=True)
     ports = group.ports
@@ -442,7 +443,13 @@ async def _start_target(
             redis.url,
             # The engines' GPU names, as DCGM's modelName or the `gpu:` setting would give them.
             [
-                InstanceSpec(c, f"127.0.0.1:{p[0]}", "sim", gpu=_gpu_name(group, i))
+                InstanceSpec(
+                    c,
+                    f"127.0.0.1:{p[0]}",
+                    "sim",
+                    gpu=_gpu_name(group, i),
+                    max_num_seqs=_max_num_seqs(group, i) if max_num_seqs else None,
+                )
                 for i, (c, p) in enumerate(clusters.items())
             ],
             stops,
@@ -531,6 +538,12 @@ def _gpu_name(group: EngineGroup, i: int) -> str:
     return driver.model.profile.gpu if driver is not None else ""
 
 
+def _max_num_seqs(group: EngineGroup, i: int) -> int | None:
+    """The engine's --max-num-seqs, as a publisher configured with it would publish."""
+    driver = group.engines[i].driver
+    return driver.model.profile.max_num_seqs if driver is not None else None
+
+
 async def _stop_target(stops: list[Any], group: EngineGroup) -> None:
     """Undo `_start_target`: its `stops` last first (awaiting the async ones), then the engines."""
     for stop in reversed(stops):
@@ -553,6 +566,7 @@ async def run_live_requests(
     headers: Sequence[dict[str, str] | None] | None = None,
     scheduling_policy: str = "fcfs",
     token_scales: Sequence[float] = (1.0,),
+    max_num_seqs: bool = False,
 ) -> tuple[list[RequestRecord], float] | None:
     """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
     time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
@@ -563,7 +577,8 @@ async def run_live_requests(
     requests run and appended as (seconds since the first request, replica, plugin, value).
     `headers`: per request, sent with it (a priority class, an objective); `scheduling_policy`: the
     engines' (vLLM's `--scheduling-policy`); `token_scales`: each engine's tokens per built-in token
-    (engines that count differently from a router's estimate; cycled)."""
+    (engines that count differently from a router's estimate; cycled); `max_num_seqs`: the publisher
+    is configured with each engine's batch limit (llm-extproc only)."""
     import subprocess
 
     from extproc_lab.stack import wait_port
@@ -586,7 +601,16 @@ async def run_live_requests(
     sampler: asyncio.Task[None] | None = None
     try:
         url = await _start_target(
-            policy, group, workdir, stops, subprocess, wait_port, replicas, service_extra, gateways
+            policy,
+            group,
+            workdir,
+            stops,
+            subprocess,
+            wait_port,
+            replicas,
+            service_extra,
+            gateways,
+            max_num_seqs=max_num_seqs,
         )
         if url is None:
             return None

@@ -25,7 +25,6 @@ Writes `classes.json` and `classes.md`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -33,49 +32,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extproc_lab.bench.classes import (
+    CELLS,
+    CONFIGURED,
+    ENGINE_PRIORITY,
+    NO_ADMISSION,
+    OURS,
+    SHIPPED_ADMISSION,
+    ClassCell,
+    class_checks,
+)
+from extproc_lab.bench.classes import workload as cell_workload
 from extproc_lab.bench.priorities import PEERS, is_good, policy_table, row_stats
 from extproc_lab.bench.report import RequestRecord, Slo
-from extproc_lab.bench.workloads import Workload, make_workload, with_priorities
+from extproc_lab.bench.workloads import Workload
 from extproc_lab.discrete_event.simulation import simulate, tokenize_requests
-from extproc_lab.engines.profiles import A10G_LLAMA3_8B, H100_LLAMA3_8B, GpuProfile
 
-# The engines: an A10G's and an H100's costs with a small batch and a small KV cache.
-SMALL_A10G = dataclasses.replace(
-    A10G_LLAMA3_8B, name="a10g-8seq-600blk", max_num_seqs=8, num_gpu_blocks=600, max_model_len=4096
-)
-SMALL_H100 = dataclasses.replace(
-    H100_LLAMA3_8B, name="h100-8seq-600blk", max_num_seqs=8, num_gpu_blocks=600, max_model_len=4096
-)
-
-
-@dataclass(frozen=True, slots=True)
-class ClassCell:
-    name: str
-    fleet: tuple[GpuProfile, ...]
-    system_tokens: int = 1200
-    tenants: int = 16
-    output_tokens: tuple[int, int] = (50, 200)
-
-
-CELLS: dict[str, ClassCell] = {
-    c.name: c
-    for c in (
-        ClassCell("s6-a10g", (SMALL_A10G,) * 6),
-        ClassCell("s6-h100", (SMALL_H100,) * 6),
-        ClassCell("s4-mixed", (SMALL_H100, SMALL_H100, SMALL_A10G, SMALL_A10G)),
-        ClassCell("s6-a10g-long-out", (SMALL_A10G,) * 6, output_tokens=(200, 600)),
-    )
-}
-
-OURS = "llm-extproc"
-ENGINE_PRIORITY = "llm-extproc (+ engine priority)"
-NO_ADMISSION = "llm-extproc (no admission)"
 REFERENCES = (*PEERS, "exact-ttft")
 CAPACITY_POLICIES = (NO_ADMISSION, "sglang-cache-aware", "vllm-router-cache-aware", "exact-ttft")
 CAPACITY_GOOD = 0.95
-# What a user who wants priorities sets; the bench's clients may ask for critical themselves.
-SHIPPED_ADMISSION: dict[str, Any] = {"enabled": True, "client_max_priority": "critical"}
-CHECKED_LOADS = (1.0, 1.2, 1.6, 2.0)
 
 
 @dataclass(slots=True)
@@ -92,16 +67,7 @@ class Config:
 
 
 def workload(cell: ClassCell, cfg: Config, rate: float) -> Workload:
-    wl = make_workload(
-        "shared-prefix",
-        rate=rate,
-        count=cfg.count,
-        seed=cfg.seed,
-        tenants=cell.tenants,
-        system_tokens=cell.system_tokens,
-        output_tokens=cell.output_tokens,
-    )
-    return with_priorities(wl, seed=cfg.seed)
+    return cell_workload(cell, rate, cfg.count, cfg.seed)
 
 
 def run_row(cell: ClassCell, cfg: Config, wl: Workload, row: str) -> list[RequestRecord]:
@@ -109,7 +75,7 @@ def run_row(cell: ClassCell, cfg: Config, wl: Workload, row: str) -> list[Reques
     service: dict[str, Any] | None = None
     policy = row
     engine_priority = row == ENGINE_PRIORITY
-    if row in (OURS, ENGINE_PRIORITY):
+    if row in (OURS, ENGINE_PRIORITY, CONFIGURED):
         policy = OURS
         service = {"admission": cfg.admission}
         if engine_priority:
@@ -126,6 +92,7 @@ def run_row(cell: ClassCell, cfg: Config, wl: Workload, row: str) -> list[Reques
         headers=wl.headers,
         publish_interval_s=cfg.publish_interval_s,
         scheduling_policy="priority" if engine_priority else "fcfs",
+        max_num_seqs=row == CONFIGURED,
     )
     return run.records
 
@@ -145,7 +112,7 @@ def capacity(cell: ClassCell, cfg: Config, steps: int = 6) -> tuple[float, str]:
 
 
 def rows(cfg: Config) -> list[str]:
-    return [OURS, ENGINE_PRIORITY, NO_ADMISSION, *cfg.references]
+    return [OURS, CONFIGURED, ENGINE_PRIORITY, NO_ADMISSION, *cfg.references]
 
 
 def run_cell(cell: ClassCell, cfg: Config, log: Any = print) -> dict[str, Any]:
@@ -164,46 +131,8 @@ def run_cell(cell: ClassCell, cfg: Config, log: Any = print) -> dict[str, Any]:
                 f"{k['standard']['shed']}/{k['sheddable']['shed']}"
             )
         loads[f"{load:g}"] = {"rate_rps": cap * load, "window_s": wl.duration_s, "policies": per}
-    checks = {row: class_checks(loads, row) for row in (OURS, ENGINE_PRIORITY, NO_ADMISSION)}
+    checks = {row: class_checks(loads, row) for row in (OURS, CONFIGURED, ENGINE_PRIORITY, NO_ADMISSION)}
     return {"capacity_rps": cap, "capacity_by": by, "loads": loads, "checks": checks}
-
-
-def class_checks(loads: dict[str, Any], row: str) -> dict[str, Any]:
-    """Issue 33's checks for one row (see the module docstring)."""
-    by_load = {float(k): v["policies"] for k, v in loads.items()}
-    ordered = sorted(by_load)
-    goodput = {x: by_load[x][row]["goodput_rps"] for x in ordered}
-    peak_load = max(ordered, key=lambda x: goodput[x])
-    peak = goodput[peak_load]
-    holds: dict[str, Any] = {}
-    for factor in (1.5, 2.0):
-        above = [x for x in ordered if x >= factor * peak_load - 1e-9]
-        if above:
-            x = above[0]
-            holds[f"{factor:g}x"] = {"load": x, "goodput": goodput[x], "ok": goodput[x] >= 0.9 * peak}
-    low = by_load[ordered[0]][row]["classes"]["critical"]
-    per_load: dict[str, Any] = {}
-    for x in (x for x in ordered if x in CHECKED_LOADS):
-        ours = by_load[x][row]
-        k = ours["classes"]
-        crit = k["critical"]
-        first_sheddable, first_standard = k["sheddable"]["first_shed_s"], k["standard"]["first_shed_s"]
-        peer = max((by_load[x][p]["goodput_rps"], p) for p in PEERS if p in by_load[x])
-        per_load[f"{x:g}"] = {
-            "critical_p99_ratio": _ratio(crit["ttft_p99_ms"], low["ttft_p99_ms"]),
-            "critical_p99_steady_ratio": _ratio(crit["ttft_p99_steady_ms"], low["ttft_p99_steady_ms"]),
-            "critical_shed": crit["shed"],
-            "sheddable_first": first_standard is None
-            or (first_sheddable is not None and first_sheddable <= first_standard),
-            "goodput": ours["goodput_rps"],
-            "best_peer": peer[1],
-            "best_peer_goodput": peer[0],
-        }
-    return {"peak_load": peak_load, "peak_goodput": peak, "holds": holds, "loads": per_load}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
 
 
 def _s(ms: float | None) -> str:
@@ -227,7 +156,7 @@ def markdown(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, cell in worst:
-        for row in (OURS, ENGINE_PRIORITY, NO_ADMISSION):
+        for row in (r for r in (OURS, CONFIGURED, ENGINE_PRIORITY, NO_ADMISSION) if r in cell["checks"]):
             ch = cell["checks"][row]
             holds = " / ".join(
                 f"{h['goodput']:.2f}{'' if h['ok'] else ' MISS'}" for h in ch["holds"].values()

@@ -225,11 +225,13 @@ class ExtprocPolicy:
         token_ids: bool = False,
         prefill_counters: bool = True,
         gpu_names: str = "right",
+        max_num_seqs: bool = False,
     ) -> None:
         self.fleet = fleet
         self.token_ids = token_ids
         self.prefill_counters = prefill_counters
         self.gpu_names = gpu_names
+        self.max_num_seqs = max_num_seqs
         n = len(fleet.engines)
         self.replicas: list[_Replica] = []
         for r in range(max(1, replicas)):
@@ -315,6 +317,8 @@ class ExtprocPolicy:
             )
             if rate is not None:
                 snap.prefill_tokens_per_s = rate
+            if self.max_num_seqs:  # the publisher's `max_num_seqs:` configured to the engine's
+                snap.max_num_seqs = e.profile.max_num_seqs
             # The engine's counters as the publisher copies them (vLLM's prompt_tokens_total and
             # time_to_first_token_seconds histogram); the prompt counter goes with the prefill ones.
             snap.first_tokens_total = e.ttft_count
@@ -544,6 +548,7 @@ def simulate(
     recount: Sequence[Callable[[list[int]], list[int]]] | None = None,
     prefill_counters: bool = True,
     gpu_names: str = "right",
+    max_num_seqs: bool = False,
 ) -> DesRun:
     """Run one policy over the workload on fresh engines; every request gets a record.
 
@@ -574,7 +579,8 @@ def simulate(
     `recount` gives each engine its own tokenizer (engine tokens from `tokens`), for engines that
     count differently from the service's estimate; `prefill_counters` False publishes no prefill
     counters (no measured prefill rate); `gpu_names` "missing" or "wrong" changes what the
-    snapshots say the GPU is (`_gpu_name`)."""
+    snapshots say the GPU is (`_gpu_name`); `max_num_seqs` publishes each engine's batch limit (the
+    publisher's `max_num_seqs:` set to the engine's --max-num-seqs)."""
     started = time.perf_counter()
     name, variant = policy, VARIANTS.get(policy)
     if variant is not None:  # llm-extproc with options, under its own name (a grid's extra row)
@@ -610,6 +616,7 @@ def simulate(
             token_ids=with_events if token_ids is None else token_ids,
             prefill_counters=prefill_counters,
             gpu_names=gpu_names,
+            max_num_seqs=max_num_seqs,
         )
         chosen = extproc
     elif policy == "round-robin":
