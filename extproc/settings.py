@@ -11,9 +11,9 @@ import importlib.resources
 import ipaddress
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 
@@ -174,11 +174,16 @@ class Objective:
 
 @dataclass(slots=True, frozen=True)
 class ClassObjectives:
-    """`admission.objectives`: critical 1x (no queue), standard 4x, sheddable best effort."""
+    """`admission.objectives`: critical 1x (no queue), standard 4x, sheddable best effort; `models`:
+    per model name, its own (each starting from these)."""
 
     critical: Objective = Objective(factor=1.0)
     standard: Objective = Objective(factor=4.0)
     sheddable: Objective = Objective()
+    models: Mapping[str, ClassObjectives] = field(default_factory=dict)
+
+    def for_model(self, model: str | None) -> ClassObjectives:
+        return self.models.get(model, self) if model is not None and self.models else self
 
 
 def objective_value(value: Any, where: str) -> Objective:
@@ -205,18 +210,32 @@ def objective_value(value: Any, where: str) -> Objective:
     return Objective(seconds=number(value, where, positive=True))
 
 
-def class_objectives(raw: Any, where: str) -> ClassObjectives:
+CLASS_NAMES = ("critical", "standard", "sheddable")
+
+
+def class_objectives(raw: Any, where: str, base: ClassObjectives | None = None) -> ClassObjectives:
+    """`objectives:` (or, with `base`, one model's entry under its `models:`, over `base`)."""
     section = mapping(raw, where)
-    check_keys(section, ClassObjectives.__dataclass_fields__, where)
-    default = ClassObjectives()
-    return ClassObjectives(
-        **{
-            name: objective_value(section[name], f"{where}.{name}")
-            if name in section
-            else getattr(default, name)
-            for name in ClassObjectives.__dataclass_fields__
-        }
+    check_keys(section, CLASS_NAMES if base is not None else (*CLASS_NAMES, "models"), where)
+    default = base or ClassObjectives()
+
+    def value(name: str) -> Objective:
+        if name in section:
+            return objective_value(section[name], f"{where}.{name}")
+        return cast(Objective, getattr(default, name))
+
+    top = ClassObjectives(
+        critical=value("critical"), standard=value("standard"), sheddable=value("sheddable")
     )
+    if base is not None or section.get("models") is None:
+        return top
+    models = mapping(section["models"], f"{where}.models")
+    per_model: dict[str, ClassObjectives] = {}
+    for name, entry in models.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.models: model names must be non-empty strings, got {name!r}")
+        per_model[name] = class_objectives(entry, f"{where}.models.{name}", top)
+    return replace(top, models=per_model)
 
 
 @dataclass(slots=True, frozen=True)

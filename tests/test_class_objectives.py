@@ -233,6 +233,34 @@ def test_a_looser_critical_objective_lets_lower_classes_queue_at_the_engine() ->
     assert adm.decide(request("standard")) is Verdict.QUEUE
 
 
+def test_objectives_per_model_start_from_the_defaults_and_apply_to_that_model_only() -> None:
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}
+    adm = admission(batches, objectives={"standard": "10x", "models": {"batch-llm": {"critical": "3x"}}})
+    adm.backlog = lambda u: (0.0, 1.0)
+    objectives = adm.settings.objectives
+    assert objectives.for_model("batch-llm").standard == Objective(factor=10.0)  # from the defaults above
+    assert objectives.for_model("batch-llm").critical == Objective(factor=3.0)
+    assert objectives.for_model("chat") is objectives and objectives.for_model(None) is objectives
+    # a full batch: critical there may wait two turnovers for batch-llm, not at all for the others
+    assert adm.decide(request("standard", model="batch-llm")) is Verdict.ADMIT
+    assert adm.decide(request("standard", model="chat")) is Verdict.QUEUE
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"models": {"m": {"critical": "fast"}}}, r"admission.objectives.models.m.critical"),
+        ({"models": {"m": {"vip": "1x"}}}, r"admission.objectives.models.m.*unknown"),
+        ({"models": {"m": {"models": {}}}}, r"admission.objectives.models.m.*unknown"),
+        ({"models": ["m"]}, r"admission.objectives.models"),
+        ({"models": {"m": "2x"}}, r"admission.objectives.models.m"),
+    ],
+)
+def test_bad_objectives_per_model_name_the_key(raw: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        admission_settings({"objectives": raw}, "admission")
+
+
 def test_a_standard_request_past_its_own_objective_waits_in_the_router() -> None:
     # A best-effort critical class: only standard's own objective (1x: no wait) holds it back.
     batches: dict[str, tuple[float, float | None, float | None]] = {"e": (7.0, 8.0, 1.0)}

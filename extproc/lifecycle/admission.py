@@ -342,12 +342,14 @@ class Admission:
         total = 0.0
         share = self.critical_rate(model) / max(1, len(candidates))
         for u in candidates:
-            free = self.headroom(u, klass=klass, critical_share=share)
+            free = self.headroom(u, klass=klass, critical_share=share, model=model)
             if free > 0:
                 total += free
         return total - self._granted.get(model, 0)
 
-    def class_room(self, u: Upstream, klass: PriorityClass, critical_share: float = 0.0) -> float:
+    def class_room(
+        self, u: Upstream, klass: PriorityClass, critical_share: float = 0.0, model: str | None = None
+    ) -> float:
         """Requests of `klass` that `u` can take while a request of each higher class sent after
         them would still meet its objective there (the module docstring's "Class objectives"):
         unbounded for critical requests and while `u`'s batch limit is unknown. `critical_share`:
@@ -358,7 +360,7 @@ class Admission:
         if limit is None:
             return math.inf
         unloaded = self.backlog(u)[1] if self.backlog is not None else 0.0
-        objectives = self.settings.objectives
+        objectives = self.settings.objectives.for_model(model)
         free = math.inf
         # Places kept for critical requests: one, and one more per half a critical request expected
         # to arrive there per request that finishes there.
@@ -385,6 +387,7 @@ class Admission:
         predicted: bool = True,
         klass: PriorityClass | None = None,
         critical_share: float = 0.0,
+        model: str | None = None,
     ) -> float:
         """Requests `u` can still take before it counts as saturated (<= 0: none); without the
         predicted prefill queue when `predicted` is false (the engines' own counts and caps only);
@@ -394,7 +397,7 @@ class Admission:
         w = u.weight
         free = s.max_inflight_per_weight * w - state.count(u.id)
         if klass is not None:
-            free = min(free, self.class_room(u, klass, critical_share))
+            free = min(free, self.class_room(u, klass, critical_share, model))
         load = state.load(u.id)
         if load is not None:
             waiting = load.num_waiting + state.pending(u.id)
@@ -443,10 +446,11 @@ class Admission:
         if klass is PriorityClass.CRITICAL:
             return self._soonest(request, candidates)
         share = self.critical_rate(request.model) / max(1, len(candidates))
-        open_ = tuple(u for u in candidates if self.headroom(u, False, klass, share) > 0) or candidates
+        model = request.model
+        open_ = tuple(u for u in candidates if self.headroom(u, False, klass, share, model) > 0) or candidates
         if request.model is None or self.queue_length(request.model) == 0:  # not saturated
             return open_
-        with_room = [self.headroom(u, True, klass, share) > 0 for u in open_]
+        with_room = [self.headroom(u, True, klass, share, model) > 0 for u in open_]
         if not any(with_room):
             return open_
         if all(with_room) or self.own_ttft is None:
@@ -468,7 +472,7 @@ class Admission:
         ttft = self.own_ttft(request, candidates)
         best = min(ttft)
         unloaded = min(self.backlog(u)[1] for u in candidates) if self.backlog is not None else 0.0
-        budget = self.settings.objectives.critical.budget(unloaded)
+        budget = self.settings.objectives.for_model(request.model).critical.budget(unloaded)
         bound = best + (budget or 0.0) + unloaded
         return tuple(u for u, t in zip(candidates, ttft, strict=True) if t <= bound)
 

@@ -6,7 +6,10 @@ in production), with the production setup: Redis and a publisher feeding snapsho
 CPU per routed request is read from /proc (user + system time of the service's processes, and of
 Envoy's) over the timed run, so it is a figure per request, independent of how busy the machine is.
 Configurations run one after another; the direct baseline runs first and last (their mean is the
-reference), which bounds drift from other load on the machine.
+reference), which bounds drift from other load on the machine. A do-nothing Python processor
+(extproc_lab.bench.null_processor: the same message exchange, no routing work) runs in the service's
+place too: the floor any Python processor sets on this machine, which the service's throughput and
+CPU are judged against.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,7 @@ from extproc_lab.bench.loadgen import one_request
 from extproc_lab.bench.report import RequestRecord, summarize
 from extproc_lab.bench.scenarios import MODEL, Baselines, _service_config
 from extproc_lab.engines import EngineGroup
-from extproc_lab.stack import LocalGateway, find_envoy, local_redis
+from extproc_lab.stack import LocalGateway, ServiceProcess, find_envoy, local_redis, wait_port
 
 TICK = os.sysconf("SC_CLK_TCK")
 _TEXT = (
@@ -57,6 +62,23 @@ def chat_bodies(n: int, seed: int = 0, same: bool = False) -> list[dict[str, Any
         }
         for i in range(n)
     ]
+
+
+class NullProcess(ServiceProcess):
+    """The do-nothing processor on a service's port (so Envoy's llm-extproc cluster reaches it)."""
+
+    cluster = "gpu-a"
+
+    def start(self, timeout: float = 20.0) -> None:
+        log = self.log_path.open("ab")
+        command = [sys.executable, "-m", "extproc_lab.bench.null_processor", "--port", str(self.port)]
+        command += ["--cluster", self.cluster]
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_port("127.0.0.1", self.port, timeout)
+        except TimeoutError:
+            self.stop()
+            raise
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -168,6 +190,18 @@ async def run_workers_overhead(
     try:
         await asyncio.sleep(1.0)  # the first snapshot
         await baseline("first")
+        service_cfg = _service_config(clusters, redis.url)
+        null_gw = LocalGateway(out_dir / "null", clusters=clusters, service=service_cfg)
+        service = null_gw.service
+        null_gw.services = [NullProcess({}, service.port, service.log_path)]
+        null_gw.service = null_gw.services[0]
+        try:
+            await asyncio.to_thread(null_gw.start)
+            assert null_gw.service.proc is not None and null_gw.envoy.proc is not None
+            pids = [null_gw.service.proc.pid]
+            await measure("do-nothing Python processor", null_gw.url, pids, null_gw.envoy.proc.pid, -1)
+        finally:
+            await asyncio.to_thread(null_gw.stop)
         for n in workers:
             gw = LocalGateway(
                 out_dir / f"workers-{n}",
@@ -191,11 +225,17 @@ async def run_workers_overhead(
         group.close()
     direct = [r["rps"] for r in rows if r["workers"] == 0]
     reference = sum(direct) / len(direct)
+    null = next(r for r in rows if r["workers"] == -1)
     print(f"\nenvoy direct: {reference:.0f} req/s (mean of {', '.join(f'{d:.0f}' for d in direct)})")
     for r in rows:
         if r["workers"]:
             r["ratio_to_direct"] = r["rps"] / reference
-            print(f"--workers {r['workers']}: {r['ratio_to_direct']:.2f}x of Envoy direct")
+            r["ratio_to_null"] = r["rps"] / null["rps"]
+            r["cpu_ms_over_null"] = r["service_cpu_ms_per_request"] - null["service_cpu_ms_per_request"]
+            print(
+                f"{r['target']}: {r['ratio_to_direct']:.2f}x of Envoy direct, {r['ratio_to_null']:.2f}x of "
+                f"the do-nothing processor, CPU {r['cpu_ms_over_null']:+.2f} ms/req over it"
+            )
     path = out_dir / "results.json"
     meta = {
         "scenario": "closed loop, ~1k-token chat prompts, one engine answering at once",

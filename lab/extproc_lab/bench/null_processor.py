@@ -1,0 +1,81 @@
+"""A do-nothing ext_proc processor in Python: the floor a Python processor sets for the overhead bench.
+
+    python -m extproc_lab.bench.null_processor --port 50051 --cluster gpu-a
+
+The same message exchange as llm-extproc under the shipped envoy.yaml (request headers, then the
+buffered body; nothing of the response), the same server stack (grpc.aio, the Envoy protos, the gRPC
+health service Envoy checks), and nothing else: each request's headers get an empty reply and its
+body a reply that sets the destination-cluster header to `--cluster`. No parsing, no scheduling, no
+Redis. `llm-extproc bench-overhead --workers 1` runs it beside the service to tell the service's own
+cost from what any Python processor pays (extproc_lab.bench.workers_overhead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+HEADER = "x-llm-destination-cluster"
+
+
+class NullProcessor(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, cluster: str) -> None:
+        value = core.HeaderValue(key=HEADER, raw_value=cluster.encode())
+        route = pb.HeaderMutation(set_headers=[core.HeaderValueOption(header=value)])
+        self.headers_reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+        self.body_reply = pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(header_mutation=route, clear_route_cache=True)
+            )
+        )
+
+    async def Process(
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """The reader/writer API, as the service uses it; the call ends once the body is answered."""
+        while (msg := await context.read()) is not grpc.aio.EOF:
+            if msg.HasField("request_headers"):
+                await context.write(self.headers_reply)
+                if msg.request_headers.end_of_stream:  # no body: routed on the headers
+                    return
+            elif msg.HasField("request_body") and msg.request_body.end_of_stream:
+                await context.write(self.body_reply)
+                return
+
+
+async def serve(port: int, cluster: str) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(NullProcessor(cluster), server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(0.5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--cluster", required=True, help="the destination cluster every request gets")
+    args = ap.parse_args(argv)
+    asyncio.run(serve(args.port, args.cluster))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
