@@ -59,7 +59,8 @@ async def serve(port: int, cluster: str) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    for name in ("", pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name):  # what Envoy asks
+        await checks.set(name, health_pb2.HealthCheckResponse.SERVING)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
