@@ -5,6 +5,7 @@ every request reaches the cluster it names, so the bench's floor is a working pr
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +35,14 @@ def test_the_do_nothing_processor_routes_every_request_to_its_cluster(tmp_path: 
                 assert resp.status == 200
                 assert json.loads(resp.read())["choices"]
         assert sum(e.stats.requests for e in group.engines) == 3, gw.logs()
+        # and each request's access-log entry went to it, as the service's do
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and "grpc_access_log.logs_written: 3" not in gw.envoy.admin(
+            "/stats"
+        ):
+            time.sleep(0.05)
+        stats = [x for x in gw.envoy.admin("/stats").splitlines() if "grpc_access_log" in x]
+        assert any(x.endswith("logs_written: 3") for x in stats), stats
     finally:
         gw.stop()
         group.close()

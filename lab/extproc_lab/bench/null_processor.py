@@ -3,11 +3,13 @@
     python -m extproc_lab.bench.null_processor --port 50051 --cluster gpu-a
 
 The same message exchange as llm-extproc under the shipped envoy.yaml (request headers, then the
-buffered body; nothing of the response), the same server stack (grpc.aio, the Envoy protos, the gRPC
-health service Envoy checks), and nothing else: each request's headers get an empty reply and its
-body a reply that sets the destination-cluster header to `--cluster`. No parsing, no scheduling, no
-Redis. `llm-extproc bench-overhead --workers 1` runs it beside the service to tell the service's own
-cost from what any Python processor pays (extproc_lab.bench.workers_overhead).
+buffered body; nothing of the response; each request's access-log entry on Envoy's gRPC access-log
+stream), the same server stack (grpc.aio, the Envoy protos, the gRPC health service Envoy checks),
+and nothing else: each request's headers get an empty reply, its body a reply that sets the
+destination-cluster header to `--cluster` (and a ticket header, so that Envoy sends the entry), and
+its log entry is read and dropped. No parsing, no
+scheduling, no Redis. `llm-extproc bench-overhead --workers 1` runs it beside the service to tell
+the service's own cost from what any Python processor pays (extproc_lab.bench.workers_overhead).
 """
 
 from __future__ import annotations
@@ -20,17 +22,22 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 HEADER = "x-llm-destination-cluster"
+TICKET = "x-llm-ticket"  # what the service sets so that Envoy logs the request to it (envoy.yaml)
 
 
 class NullProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, cluster: str) -> None:
         value = core.HeaderValue(key=HEADER, raw_value=cluster.encode())
-        route = pb.HeaderMutation(set_headers=[core.HeaderValueOption(header=value)])
+        ticket = core.HeaderValue(key=TICKET, raw_value=b"null")
+        route = pb.HeaderMutation(
+            set_headers=[core.HeaderValueOption(header=value), core.HeaderValueOption(header=ticket)]
+        )
         self.headers_reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
         self.body_reply = pb.ProcessingResponse(
             request_body=pb.BodyResponse(
@@ -52,9 +59,21 @@ class NullProcessor(pb_grpc.ExternalProcessorServicer):
                 return
 
 
+class NullAccessLog(als_pb2_grpc.AccessLogServiceServicer):
+    async def StreamAccessLogs(
+        self,
+        request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> als_pb2.StreamAccessLogsResponse:
+        async for _ in request_iterator:
+            pass
+        return als_pb2.StreamAccessLogsResponse()
+
+
 async def serve(port: int, cluster: str) -> None:
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(NullProcessor(cluster), server)
+    als_pb2_grpc.add_AccessLogServiceServicer_to_server(NullAccessLog(), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
