@@ -197,6 +197,20 @@ def test_standard_leaves_a_place_for_critical_and_sheddable_one_more() -> None:
     assert adm.decide(request("sheddable")) is Verdict.ADMIT  # no limit known: no class rule
 
 
+def test_no_sheddable_request_goes_in_while_standard_ones_wait() -> None:
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}  # full
+    adm = admission(batches)
+    waiting = request("standard")
+    assert adm.decide(waiting) is Verdict.QUEUE
+    told: list[Any] = []
+    adm.enqueue(waiting, told.append)
+    batches["e"] = (2.0, 8.0, 1.0)  # a snapshot shows room, before any finish dispatched it
+    with pytest.raises(RequestError):
+        adm.decide(request("sheddable"))
+    assert adm.dispatch("m") == 1 and told == [None]  # the room went to the standard request
+    assert adm.decide(request("sheddable")) is Verdict.ADMIT  # and once none waits, sheddable goes
+
+
 def test_the_critical_rate_is_not_underestimated_in_its_first_window() -> None:
     clock = [100.0]
     adm = admission({"e": (0.0, 8.0, 1.0)})

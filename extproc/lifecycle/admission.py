@@ -515,6 +515,10 @@ class Admission:
         if klass is PriorityClass.CRITICAL:
             self._count_critical(model)
         ahead = self.queue_length(model)
+        if ahead and klass is PriorityClass.SHEDDABLE:
+            # Standard requests are waiting: room that frees is theirs (even where a sweep of the
+            # queue is about to shed its oldest ones for waiting too long).
+            raise self._shed(klass, "saturated", "All upstreams for this model are saturated.")
         if ahead:
             self.dispatch(model)  # a snapshot may have freed room since the last finish
             ahead = self.queue_length(model)
