@@ -49,12 +49,11 @@ class BatchReport(Protocol):
 class _Batch:
     published_at: float
     epoch: int
-    limit: float | None = None  # running requests when last seen queueing (raised by larger batches)
+    limit: float | None = None  # confirmed: seen twice, or with the KV cache full (None before)
     full_since: float | None = None  # since when it runs at the limit with none waiting
     probe_after: float = PROBE_AFTER_S  # how long full with none waiting before the next probe
     probed_from: float | None = None  # the confirmed limit before the probe now open
     queued_at: float | None = None  # running requests at the last snapshot, if it queued
-    confirmed: bool = False  # the limit was seen twice, or with the KV cache full
     first_tokens: float | None = None  # the engines' cumulative count at the last snapshot
     turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
     cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
@@ -76,7 +75,7 @@ class BatchLimits:
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
-        return seen.limit if seen.confirmed else seen.queued_at
+        return seen.limit if seen.limit is not None else seen.queued_at
 
     def turnover(self, upstream_id: str) -> float | None:
         seen = self._seen.get(upstream_id)
@@ -105,8 +104,8 @@ class BatchLimits:
         cap = None if load.max_num_seqs is None else float(load.max_num_seqs)
         if cap != seen.published_cap:
             seen.published_cap = seen.cap = cap
-            if cap is not None and (seen.limit is None or not seen.confirmed or seen.limit > cap):
-                seen.limit, seen.confirmed, seen.probed_from = cap, True, None
+            if cap is not None and (seen.limit is None or seen.limit > cap):
+                seen.limit, seen.probed_from = cap, None
         if "num_running" not in load.unknown and "num_waiting" not in load.unknown:
             kv = load.kv_cache_usage if "kv_cache_usage" not in load.unknown else 0.0
             self._limit(seen, float(load.num_running), load.num_waiting, kv, load.published_at)
@@ -130,7 +129,7 @@ class BatchLimits:
             # Queueing: a limit, confirmed when the KV cache is full or the batch stayed the same
             # size while requests waited (a sequence cap) two snapshots running. Otherwise it may be
             # a burst of prefills filling each step's token budget while the batch grows: used only
-            # while the queue is there (limit()), and probed upwards at every snapshot.
+            # while the queue is there (limit() reads `queued_at`).
             seen.full_since = None
             if seen.probed_from is not None and running <= seen.probed_from:
                 # The probe failed: back to the limit it started from, and the next one waits
@@ -139,13 +138,11 @@ class BatchLimits:
                 seen.probe_after = min(2.0 * seen.probe_after, PROBE_BACKOFF_MAX_S)
                 seen.probed_from = None
             elif kv_usage >= KV_FULL or seen.queued_at == running:
-                seen.limit, seen.confirmed = running, True
-            elif limit is None or not seen.confirmed:
                 seen.limit = running
             seen.queued_at = running
             return
         seen.queued_at = None
-        if limit is None:
+        if limit is None:  # not confirmed yet: nothing to raise or probe
             return
         if running > limit or (seen.probed_from is not None and running > seen.probed_from):
             seen.limit = limit = max(limit, running)  # it runs that many at once
@@ -160,8 +157,8 @@ class BatchLimits:
                 seen.full_since = at
             if seen.cap is not None and limit >= seen.cap:
                 seen.full_since = None  # at the published limit: nothing to try
-            elif at - seen.full_since >= (seen.probe_after if seen.confirmed else 0.0):
-                if seen.confirmed and seen.probed_from is None:
+            elif at - seen.full_since >= seen.probe_after:
+                if seen.probed_from is None:
                     seen.probed_from = limit
                 seen.limit = limit + 1
                 seen.full_since = None
