@@ -82,3 +82,26 @@ async def serve_http(method: str, path: str, handler: Any) -> tuple[web.AppRunne
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, port
+
+
+class IdleState:
+    """The scheduling state admission reads, for unit tests: no snapshots, no requests in flight, no
+    batch limit known (`batches` gives upstreams their (occupancy, limit, turnover))."""
+
+    def __init__(self, batches: dict[str, tuple[float, float | None, float | None]] | None = None) -> None:
+        self.batches = batches if batches is not None else {}
+
+    def count(self, uid: str) -> int:
+        return 0
+
+    def load(self, uid: str) -> Any:
+        return None
+
+    def pending(self, uid: str) -> int:
+        return 0
+
+    def batch(self, uid: str) -> tuple[float, float | None, float | None]:
+        return self.batches.get(uid, (0.0, None, None))
+
+    def now(self) -> float:
+        return 0.0

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
-from builders import NOW, instance_state
+from builders import NOW, IdleState, instance_state
 
 from extproc.config import config_from_dict
 from extproc.fleet import FleetView
@@ -773,22 +773,6 @@ def test_priorities_bench_reports_the_tail_after_warm_up_apart() -> None:
 
 
 # -- placement while requests wait: the predicted queue must not turn warm requests into cold ones ----
-class _Counts:
-    """The scheduling state admission reads, with no snapshots (only in-flight counts, all 0)."""
-
-    def count(self, uid: str) -> int:
-        return 0
-
-    def load(self, uid: str) -> None:
-        return None
-
-    def pending(self, uid: str) -> int:
-        return 0
-
-    def batch(self, upstream_id: str) -> tuple[float, float | None, float | None]:
-        return 0.0, None, None  # no batch limit known
-
-
 def _request(priority: int = 0) -> Any:
     from extproc.openai import InferenceRequest
 
@@ -821,7 +805,7 @@ def test_while_saturated_a_request_keeps_a_full_candidate_where_it_would_wait_no
     adm = Admission(
         settings,
         lambda model: (a, b),
-        _Counts(),  # type: ignore[arg-type]
+        IdleState(),  # type: ignore[arg-type]
         backlog=lambda u: (backlog[u.id], 0.2),
         own_ttft=lambda req, cands: [own[u.id] for u in cands],
     )
@@ -848,7 +832,7 @@ def test_while_saturated_the_tpot_gate_closes_a_candidate_however_warm() -> None
     from extproc.fleet import Upstream
     from extproc.lifecycle.admission import Admission
 
-    class Decoding(_Counts):
+    class Decoding(IdleState):
         tpot = {"a": 0.12, "b": 0.05}
 
         def load(self, uid: str) -> Any:

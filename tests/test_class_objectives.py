@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from builders import IdleState
 
 from extproc.config import ConfigError
 from extproc.fleet import Upstream
@@ -122,31 +123,8 @@ def test_turnover_is_first_tokens_per_second_and_a_restart_forgets() -> None:
     assert b.limit("e") is None  # a figure filled in from the fleet says nothing of this engine
 
 
-class Batches:
-    """The scheduling state admission and the predictor read: per upstream (occupancy, limit,
-    turnover)."""
-
-    def __init__(self, batches: dict[str, tuple[float, float | None, float | None]]) -> None:
-        self.batches = batches
-
-    def count(self, uid: str) -> int:
-        return 0
-
-    def load(self, uid: str) -> None:
-        return None
-
-    def pending(self, uid: str) -> int:
-        return 0
-
-    def batch(self, uid: str) -> tuple[float, float | None, float | None]:
-        return self.batches[uid]
-
-    def now(self) -> float:
-        return 0.0
-
-
 def test_slot_wait_counts_the_requests_beyond_the_limit_over_the_turnover() -> None:
-    state: Any = Batches({"a": (7.0, 8.0, 2.0), "b": (10.0, 8.0, 2.0), "c": (10.0, None, 2.0)})
+    state: Any = IdleState({"a": (7.0, 8.0, 2.0), "b": (10.0, 8.0, 2.0), "c": (10.0, None, 2.0)})
     assert slot_wait(state, "a") == 0.0  # a place is free
     assert slot_wait(state, "a", extra=1) == pytest.approx(0.5)
     assert slot_wait(state, "b") == pytest.approx(1.5)  # three ahead of a place, it included
@@ -174,7 +152,7 @@ def admission(batches: dict[str, tuple[float, float | None, float | None]], **se
     return Admission(
         admission_settings({"enabled": True, **settings}),
         lambda model: ups,
-        Batches(batches),  # type: ignore[arg-type]
+        IdleState(batches),  # type: ignore[arg-type]
         backlog=lambda u: (0.0, 0.1),
     )
 
