@@ -13,11 +13,14 @@ from typing import Any
 
 import yaml
 
-from extproc.discovery.settings import DiscoverySettings, discovery_settings
+from extproc.discovery.settings import DiscoverySettings, KubernetesDiscovery, discovery_settings
 from extproc.fleet import Pool, RoutingMode, pool_from_config
+from extproc.fleet.pool import CLUSTER_KEYS
 from extproc.scheduling import Profile, profile_from_config
-from extproc.scheduling.explain import ExplainSettings, explain_settings
+from extproc.scheduling.explain import EXPLAIN_KEYS, ExplainSettings, explain_settings
+from extproc.scheduling.framework import ENTRY_KEYS, SCORER_ENTRY_KEYS
 from extproc.settings import (
+    CLASS_NAMES,
     DEFAULT_BODY_OFFLOAD_BYTES,
     DEFAULT_BODY_TRIM_INTERVAL_S,
     DEFAULT_BODY_WORKER_NICE,
@@ -56,6 +59,7 @@ from extproc.settings import (
 )
 from extproc.tokenization import TokenizerRegistry
 from extproc.tokenization import from_config as tokenizers_from_config
+from extproc.tokenization.config import TOKENIZER_KEYS
 
 
 @dataclass(slots=True, frozen=True)
@@ -270,14 +274,63 @@ _SCALAR_KEYS = (
 )
 
 
+ANY = "*"  # service_keys(): a name the user chooses (a profile, a model), or a list's entries
+
+
+def service_keys() -> dict[str, Any]:
+    """Every key of the service YAML, as a tree (a section maps to its keys; a leaf is None; `ANY`
+    stands for names the user chooses and for a list's entries), built from the very key sets the
+    parsers accept: the one list docs/configuration.md is checked against
+    (tests/test_config_reference.py) and `check-config --keys` prints."""
+
+    def keys(names: Any) -> dict[str, Any]:
+        return dict.fromkeys(names)
+
+    objectives = keys(CLASS_NAMES)
+    admission = keys(AdmissionSettings.__dataclass_fields__)
+    admission["objectives"] = {**objectives, "models": {ANY: objectives}}
+    profile = {
+        "filters": {ANY: keys(ENTRY_KEYS)},
+        "scorers": {ANY: keys(SCORER_ENTRY_KEYS)},
+        "picker": keys(ENTRY_KEYS),
+    }
+    return {
+        **keys(_SCALAR_KEYS),
+        "routing": None,
+        "pool": {"clusters": {ANY: keys(CLUSTER_KEYS)}},
+        "scheduling": {"profile": None, "profiles": {ANY: profile}},
+        "headers": keys(HeaderNames.__dataclass_fields__),
+        "fleet": keys(RedisSettings.__dataclass_fields__),
+        "tokenizers": {ANY: keys(TOKENIZER_KEYS)},
+        "bodies": keys(BodySettings.__dataclass_fields__),
+        "sync": keys(SyncSettings.__dataclass_fields__),
+        "explain": keys(EXPLAIN_KEYS),
+        "admission": admission,
+        "engine_priority": keys(EnginePriority.__dataclass_fields__),
+        "discovery": {"kubernetes": keys(KubernetesDiscovery.__dataclass_fields__)},
+        "tls": keys(TlsSettings.__dataclass_fields__),
+    }
+
+
+def key_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted path of every key in a service_keys()-style tree, sections included."""
+    paths = []
+    for name, sub in tree.items():
+        path = f"{prefix}{name}"
+        paths.append(path)
+        if isinstance(sub, dict):
+            paths += key_paths(sub, f"{path}.")
+    return paths
+
+
 def _admission(raw: Any, profile: Profile) -> AdmissionSettings:
-    """`admission:`; its predicted-wait signal reads the default profile's TTFT predictor, so a
-    profile without one is refused rather than the setting silently doing nothing."""
+    """`admission:`; its predicted-wait signal reads the default profile's model of the prefill
+    queues, so a profile without one is refused rather than the setting silently doing nothing."""
     settings = admission_settings(raw)
-    if settings.max_predicted_wait_s is not None and profile.predictor is None:
+    if settings.max_predicted_wait_s is not None and profile.prefill_queue is None:
         raise ConfigError(
-            "config: 'admission.max_predicted_wait_s' needs a TTFT predictor (the 'predicted-ttft' "
-            f"scorer) in the default profile '{profile.name}'"
+            "config: 'admission.max_predicted_wait_s' needs a model of the prefill queues (the "
+            f"'predicted-ttft' scorer) in the default profile '{profile.name}'"
         )
     return settings
 

@@ -105,3 +105,14 @@ class IdleState:
 
     def now(self) -> float:
         return 0.0
+
+
+class FixedBacklog:
+    """A model of the prefill queues for admission's unit tests (`Admission(prefill=...)`): each
+    upstream's (queued prefill seconds, mean prefill seconds per request) from `of(upstream)`."""
+
+    def __init__(self, of: Any) -> None:
+        self.of = of
+
+    def backlog(self, upstream: Any, state: Any) -> tuple[float, float]:
+        return self.of(upstream)  # type: ignore[no-any-return]

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
-from builders import NOW, IdleState, instance_state
+from builders import NOW, FixedBacklog, IdleState, instance_state
 
 from extproc.config import config_from_dict
 from extproc.fleet import FleetView
@@ -23,7 +23,7 @@ from extproc.lifecycle.admission import (
     priority_class,
     route_admission,
 )
-from extproc.openai import RequestError
+from extproc.openai import InferenceRequest, RequestError
 from extproc.openai.parse import parse_head
 from extproc.settings import ConfigError, admission_settings
 from extproc.telemetry import Metrics
@@ -735,7 +735,7 @@ async def test_below_saturation_a_long_predicted_queue_does_not_move_a_request_o
     holder = await lc.route_async(
         head(), orjson.dumps(dict(CHAT, messages=[{"role": "user", "content": words}]))
     )
-    wait, _ = lc.admission.backlog(holder.upstream)  # type: ignore[misc]
+    wait, _ = lc.admission._backlog(holder.upstream)
     assert wait > 1.0  # over the threshold: no headroom by the predicted queue
     assert lc.admission.room("m") > 0 and lc.admission.queue_length("m") == 0  # not saturated
     again = orjson.dumps(dict(CHAT, messages=[{"role": "user", "content": words + "and one more"}]))
@@ -806,19 +806,27 @@ def test_while_saturated_a_request_keeps_a_full_candidate_where_it_would_wait_no
         settings,
         lambda model: (a, b),
         IdleState(),  # type: ignore[arg-type]
-        backlog=lambda u: (backlog[u.id], 0.2),
-        own_ttft=lambda req, cands: [own[u.id] for u in cands],
+        prefill=FixedBacklog(lambda u: (backlog[u.id], 0.2)),
     )
-    request = _request()
+
+    def prepared(priority: int = 0) -> InferenceRequest:
+        """A request whose decision's prepare stage predicted `own` (framework.PREDICTED_TTFT)."""
+        req = _request(priority=priority)
+        req.prepared = {"predicted-ttft": own}
+        return req
+
+    request = prepared()
     assert adm.placeable(request, (a, b)) == (a, b)  # nobody waits: the scheduler decides
     adm.enqueue(_request(), lambda err: None)  # saturated: someone waits
     assert adm.placeable(request, (a, b)) == (a, b)  # a is full but no slower for this request
     own["a"] = 2.4  # not cached on a after all: a cold prefill behind a's queue
     assert adm.placeable(request, (a, b)) == (b,)
+    assert adm.placeable(_request(), (a, b)) == (b,)  # nothing prepared: headroom alone decides
     # critical: wherever its own TTFT is within its objective of the soonest (1x: one prefill)
-    assert adm.placeable(_request(priority=1), (a, b)) == (b,)
+    assert adm.placeable(prepared(priority=1), (a, b)) == (b,)
+    assert adm.placeable(_request(priority=1), (a, b)) == (a, b)  # nothing prepared: anywhere
     own["a"] = 1.6
-    assert adm.placeable(_request(priority=1), (a, b)) == (a, b)
+    assert adm.placeable(prepared(priority=1), (a, b)) == (a, b)
     own["a"] = 2.4
     backlog["b"] = 1.1  # nobody has room: all of them
     assert adm.placeable(request, (a, b)) == (a, b)
@@ -848,10 +856,11 @@ def test_while_saturated_the_tpot_gate_closes_a_candidate_however_warm() -> None
         settings,
         lambda model: (a, b),
         state,  # type: ignore[arg-type]
-        backlog=lambda u: (1.2 if u.id == "a" else 0.3, 0.2),
-        own_ttft=lambda req, cands: [1.25 if u.id == "a" else 1.5 for u in cands],
+        prefill=FixedBacklog(lambda u: (1.2 if u.id == "a" else 0.3, 0.2)),
     )
     adm.enqueue(_request(), lambda err: None)
-    assert adm.placeable(_request(), (a, b)) == (b,)  # a: warm, but decoding at 120 ms
+    request = _request()
+    request.prepared = {"predicted-ttft": {"a": 1.25, "b": 1.5}}
+    assert adm.placeable(request, (a, b)) == (b,)  # a: warm, but decoding at 120 ms
     state.tpot["a"] = 0.08
-    assert adm.placeable(_request(), (a, b)) == (a, b)  # only its prefill queue is long: kept
+    assert adm.placeable(request, (a, b)) == (a, b)  # only its prefill queue is long: kept

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from builders import IdleState
+from builders import FixedBacklog, IdleState
 
 from extproc.config import ConfigError
 from extproc.fleet import Upstream
@@ -153,7 +153,7 @@ def admission(batches: dict[str, tuple[float, float | None, float | None]], **se
         admission_settings({"enabled": True, **settings}),
         lambda model: ups,
         IdleState(batches),  # type: ignore[arg-type]
-        backlog=lambda u: (0.0, 0.1),
+        prefill=FixedBacklog(lambda u: (0.0, 0.1)),
     )
 
 
@@ -219,7 +219,7 @@ def test_a_looser_critical_objective_lets_lower_classes_queue_at_the_engine() ->
     # Critical may wait 2 turnovers beyond the batch ("3x" of a 1 s unloaded TTFT, one a second).
     batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}
     adm = admission(batches, objectives={"critical": "3x", "standard": "10x"})
-    adm.backlog = lambda u: (0.0, 1.0)
+    adm.prefill = FixedBacklog(lambda u: (0.0, 1.0))
     assert adm.decide(request("standard")) is Verdict.ADMIT
     batches["e"] = (9.0, 8.0, 1.0)
     assert adm.decide(request("standard")) is Verdict.QUEUE
@@ -228,7 +228,7 @@ def test_a_looser_critical_objective_lets_lower_classes_queue_at_the_engine() ->
 def test_objectives_per_model_start_from_the_defaults_and_apply_to_that_model_only() -> None:
     batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}
     adm = admission(batches, objectives={"standard": "10x", "models": {"batch-llm": {"critical": "3x"}}})
-    adm.backlog = lambda u: (0.0, 1.0)
+    adm.prefill = FixedBacklog(lambda u: (0.0, 1.0))
     objectives = adm.settings.objectives
     assert objectives.for_model("batch-llm").standard == Objective(factor=10.0)  # from the defaults above
     assert objectives.for_model("batch-llm").critical == Objective(factor=3.0)

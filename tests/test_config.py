@@ -628,16 +628,17 @@ def test_redacted_url_hides_what_stands_before_the_at() -> None:
 
 
 def test_a_predicted_wait_without_a_predictor_is_refused() -> None:
-    """admission.max_predicted_wait_s reads the default profile's TTFT predictor: with a profile that
-    has none, the setting would do nothing, so the config is refused (it found the scorer by type
-    before, and swapping the scorer silently turned the signal off)."""
+    """admission.max_predicted_wait_s reads the default profile's model of the prefill queues: with a
+    profile that has none, the setting would do nothing, so the config is refused (it found the
+    scorer by type before, and swapping the scorer silently turned the signal off)."""
     pool = {"clusters": [{"name": "a", "models": ["m"]}]}
     plain = {"profiles": {"default": {"scorers": ["least-outstanding"], "picker": "max-score"}}}
-    with pytest.raises(ConfigError, match="max_predicted_wait_s' needs a TTFT predictor"):
+    with pytest.raises(ConfigError, match="max_predicted_wait_s' needs a model of the prefill queues"):
         config_from_dict({"pool": pool, "scheduling": plain, "admission": {"max_predicted_wait_s": 0.5}})
     cfg = config_from_dict({"pool": pool, "admission": {"max_predicted_wait_s": 0.5}})
-    assert cfg.profile.predictor is not None
-    assert config_from_dict({"pool": pool, "scheduling": plain}).profile.predictor is None
+    assert cfg.profile.prefill_queue is not None and "predicted-ttft" in cfg.profile.produced
+    plain_profile = config_from_dict({"pool": pool, "scheduling": plain}).profile
+    assert plain_profile.prefill_queue is None and not plain_profile.produced
 
 
 @pytest.mark.parametrize("value", ["urgent", 1.5, True, None])

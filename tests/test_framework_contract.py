@@ -259,39 +259,43 @@ def test_init_writes_agreeing_configs_and_refuses_to_overwrite(
 
 
 class ConstantPredictor:
-    """Not predicted-ttft: any scorer that plays the TTFT-predictor role (framework.TtftPredictor)."""
+    """Not predicted-ttft: any plugin that produces the prepared `predicted-ttft` figure."""
+
+    produces = ("predicted-ttft",)
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
+        self.prepared = 0
 
     def score(self, request: InferenceRequest, candidates: Sequence[Upstream], state: Any) -> list[float]:
         return [0.0] * len(candidates)
 
-    def predict_ttft(
-        self, request: InferenceRequest, candidates: Sequence[Upstream], state: Any
-    ) -> list[float]:
-        return [self.seconds] * len(candidates)
-
-    def backlog(self, upstream: Upstream, state: Any) -> tuple[float, float]:
-        return self.seconds, self.seconds
+    def prepare(self, request: InferenceRequest, candidates: Sequence[Upstream], state: Any) -> None:
+        self.prepared += 1
+        assert request.prepared is not None
+        request.prepared["predicted-ttft"] = {u.id: self.seconds for u in candidates}
 
 
-def test_the_ttft_readers_find_their_predictor_by_role_not_by_type() -> None:
-    """slo-ttft reads whichever plugin of its profile predicts TTFT; a profile without one is refused."""
+def test_the_ttft_readers_read_the_prepared_figure_by_name_not_a_plugin() -> None:
+    """slo-ttft reads the `predicted-ttft` figure whichever plugin of its profile produced it, once
+    per decision; a profile without a producer is refused, naming what would produce it."""
     from extproc.scheduling.slo import SloTtftFilter
 
     candidates = [Upstream("a", "a", None, 1.0), Upstream("b", "b", None, 1.0)]
     request = chat_request()
+    state = SchedulingState(InFlight(), None)
     for seconds, kept in ((0.1, 2), (5.0, 0)):
-        slo = SloTtftFilter()
-        profile = Profile("p", (slo,), ((ConstantPredictor(seconds), 1.0),), MaxScorePicker())
-        assert isinstance(profile.predictor, ConstantPredictor)
+        producer = ConstantPredictor(seconds)
+        profile = Profile("p", (SloTtftFilter(),), ((producer, 1.0),), MaxScorePicker())
+        assert profile.produced == {"predicted-ttft"}
         request.ttft_slo_ms = 1000.0
         if kept:
-            assert len(slo.filter(request, candidates, SchedulingState(InFlight(), None))) == kept
+            assert profile.schedule(request, candidates, state) in candidates
         else:
             with pytest.raises(RequestError) as err:
-                slo.filter(request, candidates, SchedulingState(InFlight(), None))
+                profile.schedule(request, candidates, state)
             assert err.value.status == 429
-    with pytest.raises(ConfigError, match="needs a TTFT predictor"):
+        assert producer.prepared == 1  # once per decision
+        assert request.prepared is None  # not kept past the decision
+    with pytest.raises(ConfigError, match=r"'predicted-ttft', which no plugin .* scorer 'predicted-ttft'"):
         Profile("p", (SloTtftFilter(),), ((LeastOutstandingScorer(), 1.0),), MaxScorePicker())

@@ -353,9 +353,10 @@ def test_a_copy_is_discounted_only_for_a_prefix_that_later_requests_share() -> N
         """Scores a request, places it at the busy holder, and returns what the score charged the
         idle engine beyond its own TTFT (its placement costs: a copy's here)."""
         request = req(ids)
-        own, predicted = scorer._evaluate(request, (busy, idle), state)
+        predicted = scorer._placed_costs(request, (busy, idle), state)
+        own = scorer._last.facts[idle.id].own
         scorer.on_pick(request, busy, state)
-        return predicted[1] - own[1]
+        return predicted[1] - own
 
     system = list(range(10_000, 10_000 + 64 * 20))  # 20 blocks, then each request's own question
     conversation = list(range(50_000, 50_000 + 64 * 20))
@@ -390,7 +391,7 @@ def test_replicas_count_each_others_demand_for_a_prefix() -> None:
     system = list(range(10_000, 10_000 + 64 * 20))
     for q in range(4):
         request = InferenceRequest(Api.CHAT, "m", False, 4, "", [*system, q, q], None, None, 0, 0)
-        a._evaluate(request, (busy,), state)
+        a._placed_costs(request, (busy,), state)
         a.on_pick(request, busy, state)
     records = a._outbox.take()
     assert [r[-1] for r in records] == [0, 20, 20, 20]  # the first found nothing held

@@ -389,7 +389,7 @@ def test_load_config_file(tmp_path: Path) -> None:
     path = write(
         tmp_path,
         {
-            "redis": {"url": "redis://r:6379/1", "pool": "prod", "resync_interval_s": 2.0},
+            "redis": {"url": "redis://r:6379/1", "pool": "prod"},
             "interval_s": 0.5,
             "ttl_s": 4.0,
             "publisher_id": "p-9",
@@ -408,7 +408,6 @@ def test_load_config_file(tmp_path: Path) -> None:
     cfg = load_publisher_config(path)
     assert cfg.redis.url == "redis://r:6379/1"
     assert cfg.redis.pool == "prod"
-    assert cfg.redis.resync_interval_s == 2.0
     assert cfg.redis.password is None
     assert cfg.redis.key("gpu-a/10.0.0.1:8000") == "llm-extproc:prod:snap:gpu-a/10.0.0.1:8000"
     assert (cfg.interval_s, cfg.ttl_s, cfg.ttl_ms, cfg.publisher_id) == (0.5, 4.0, 4000, "p-9")

@@ -149,13 +149,16 @@ def parse_endpoint(addr: str) -> str:
     return addr
 
 
+CLUSTER_KEYS = ("name", "models", "endpoints", "weight")  # of each `pool.clusters` entry
+
+
 def pool_from_config(raw: Iterable[Any], mode: RoutingMode, discovered: Iterable[str] = ()) -> Pool:
     specs: list[ClusterSpec] = []
     for item in raw:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise ConfigError("pool: each cluster needs a string 'name'")
         where = f"pool: cluster '{item['name']}'"
-        check_keys(item, ("name", "models", "endpoints", "weight"), where)
+        check_keys(item, CLUSTER_KEYS, where)
         models = item.get("models")
         if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
             raise ConfigError(f"{where} needs a non-empty list of 'models'")

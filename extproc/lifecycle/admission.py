@@ -48,12 +48,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import Protocol
 
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest, RequestError
 from extproc.openai.errors import shed
 from extproc.openai.parse import parse_slo_ms
 from extproc.scheduling import FleetState
+from extproc.scheduling.framework import PREDICTED_TTFT
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
     PRIORITY_METADATA_KEY,
@@ -210,10 +212,15 @@ class WaiterState(Enum):
     DONE = "done"
 
 
-Backlog = Callable[[Upstream], tuple[float, float]]
-"""(seconds of prefill queued at an upstream, mean prefill seconds per request): predicted-ttft's."""
-OwnTtft = Callable[[InferenceRequest, Sequence[Upstream]], Sequence[float]]
-"""This request's own predicted TTFT on each candidate, seconds: predicted-ttft's `predict_ttft`."""
+class PrefillBacklog(Protocol):
+    """What admission reads of the prefill queued per upstream: the default profile
+    (`Profile.backlog`, from its PrefillQueue plugin, predicted-ttft)."""
+
+    def backlog(self, upstream: Upstream, state: FleetState) -> tuple[float, float] | None:
+        """(seconds of prefill queued there, mean prefill seconds per request), None unknown."""
+        ...
+
+
 Notify = Callable[[RequestError | None], None]
 """Told once: None when the waiter is granted capacity, else the error that ends it (timeout)."""
 
@@ -293,7 +300,9 @@ class Admission:
     """Admission control for one service process (see the module docstring).
 
     `candidates(model)` gives who may serve a model (the lifecycle's own lookup); `state` is the
-    scheduling state plugins read. Metrics are optional (the unit tests run without)."""
+    scheduling state plugins read; `prefill` the prefill queued per upstream (the default profile),
+    and a request's own predicted TTFT per candidate is read from the decision's prepared figures
+    (`request.prepared`). Metrics are optional (the unit tests run without)."""
 
     __slots__ = (
         "_candidates",
@@ -301,10 +310,9 @@ class Admission:
         "_granted",
         "_queued",
         "_queues",
-        "backlog",
         "clock",
         "metrics",
-        "own_ttft",
+        "prefill",
         "settings",
         "state",
     )
@@ -316,12 +324,10 @@ class Admission:
         state: FleetState,
         metrics: Metrics | None = None,
         clock: Callable[[], float] = time.monotonic,
-        backlog: Backlog | None = None,
-        own_ttft: OwnTtft | None = None,
+        prefill: PrefillBacklog | None = None,
     ) -> None:
         self.settings = settings
-        self.backlog = backlog
-        self.own_ttft = own_ttft
+        self.prefill = prefill
         self._candidates = candidates
         self.state = state
         self.metrics = metrics
@@ -359,7 +365,7 @@ class Admission:
         occupancy, limit, turnover = self.state.batch(u.id)
         if limit is None:
             return math.inf
-        unloaded = self.backlog(u)[1] if self.backlog is not None else 0.0
+        unloaded = self._backlog(u)[1]
         objectives = self.settings.objectives.for_model(model)
         free = math.inf
         # Places kept for critical requests: one, and one more per half a critical request expected
@@ -406,8 +412,8 @@ class Admission:
                 return 0.0
         if predicted and self.decoding_slowly(u):
             return 0.0
-        if predicted and s.max_predicted_wait_s is not None and self.backlog is not None:
-            wait, per_request = self.backlog(u)
+        if predicted and s.max_predicted_wait_s is not None and self.prefill is not None:
+            wait, per_request = self._backlog(u)
             left = s.max_predicted_wait_s - wait
             if left <= 0:
                 return 0.0
@@ -453,9 +459,9 @@ class Admission:
         with_room = [self.headroom(u, True, klass, share, model) > 0 for u in open_]
         if not any(with_room):
             return open_
-        if all(with_room) or self.own_ttft is None:
+        ttft = own_ttft(request, open_)
+        if all(with_room) or ttft is None:
             return tuple(u for u, ok in zip(open_, with_room, strict=True) if ok)
-        ttft = self.own_ttft(request, open_)
         best = min(t for t, ok in zip(ttft, with_room, strict=True) if ok)
         return tuple(
             u
@@ -467,14 +473,19 @@ class Admission:
         """A critical request's candidates: those where its own predicted TTFT is within its
         objective, or else the soonest (the scorer's placement costs, which spare other requests'
         caches, do not outweigh a critical request's wait)."""
-        if self.own_ttft is None or len(candidates) < 2:
+        ttft = own_ttft(request, candidates) if len(candidates) > 1 else None
+        if ttft is None:
             return candidates
-        ttft = self.own_ttft(request, candidates)
         best = min(ttft)
-        unloaded = min(self.backlog(u)[1] for u in candidates) if self.backlog is not None else 0.0
+        unloaded = min(self._backlog(u)[1] for u in candidates)
         budget = self.settings.objectives.for_model(request.model).critical.budget(unloaded)
         bound = best + (budget or 0.0) + unloaded
         return tuple(u for u, t in zip(candidates, ttft, strict=True) if t <= bound)
+
+    def _backlog(self, u: Upstream) -> tuple[float, float]:
+        """(prefill seconds queued at `u`, mean prefill seconds per request); zeros unknown."""
+        found = None if self.prefill is None else self.prefill.backlog(u, self.state)
+        return (0.0, 0.0) if found is None else found
 
     def critical_rate(self, model: str | None) -> float:
         """Critical requests per second for `model`, decayed over CRITICAL_RATE_WINDOW_S."""
@@ -725,3 +736,13 @@ class Admission:
         m = self.metrics
         if m is not None:
             m.admission_wait.labels(outcome=outcome).observe(max(0.0, self.clock() - waiter.since))
+
+
+def own_ttft(request: InferenceRequest, candidates: Sequence[Upstream]) -> list[float] | None:
+    """The request's own predicted TTFT on each candidate from its decision's prepared figures
+    (infinite where the producer sampled a large pool without it), or None when none were prepared
+    (the profile scheduling it has no producer of them)."""
+    figures = (request.prepared or {}).get(PREDICTED_TTFT)
+    if figures is None:
+        return None
+    return [figures.get(u.id, math.inf) for u in candidates]

@@ -1,5 +1,7 @@
-"""The request lifecycle: parse -> admit -> schedule -> record, then finish (or reject). The stream
-layer does the respond step and tells the lifecycle when the request ends.
+"""The request lifecycle: parse -> admit -> prepare -> place -> schedule -> record, then finish (or
+reject). Prepare runs the profile's producers once (framework.Producer: predicted TTFT per
+candidate), and admission's placement and the profile's plugins read what they wrote by name. The
+stream layer does the respond step and tells the lifecycle when the request ends.
 
 Everything here is in-memory: no network I/O happens on the request path. `route()` runs on the
 calling thread; `route_async()` awaits only to parse a big body in a worker process (bodies.py) and
@@ -20,8 +22,6 @@ from extproc.fleet import FleetView, InFlight, Lease, SchedulingState, Upstream
 from extproc.lifecycle.admission import (
     NO_ROUTE,
     Admission,
-    Backlog,
-    OwnTtft,
     RouteAdmission,
     priority_class,
 )
@@ -104,8 +104,7 @@ class RequestLifecycle:
             self._admission_candidates,
             self.state,
             metrics,
-            backlog=self._backlog(),
-            own_ttft=self._own_ttft(),
+            prefill=config.profile,  # the default profile's model of the prefill queues
         )
         keep = config.explain.keep_last
         self.decisions = DecisionLog(keep) if keep > 0 else None  # /debug/decisions
@@ -359,21 +358,24 @@ class RequestLifecycle:
                 raise no_upstream(request.model)
         if subset is not None:  # the gateway's subset hint (endpoint picker protocol): only inside it
             candidates = in_subset(candidates, subset, request.model)
-        if request.model is not None:  # admitted: to an upstream with headroom (admission.py)
-            candidates = self.admission.placeable(request, candidates)
-        # -- schedule ------------------------------------------------------------------------------
+        # -- prepare: the figures admission and the profile's plugins read (framework.Producer) ----
+        timer = self.metrics.observe_plugin
+        profile.prepare(request, candidates, self.state, timer)
         fallbacks = self.config.fallbacks  # the next-best by total score (endpoints.py)
         ranked: list[tuple[float, Upstream]] | None = [] if fallbacks > 0 else None
         why = new_explanation(request.model) if explain or self.decisions is not None else None
         try:
-            upstream = profile.schedule(
-                request, candidates, self.state, self.metrics.observe_plugin, why, ranked=ranked
-            )
+            if request.model is not None:  # admitted: to an upstream with headroom (admission.py)
+                candidates = self.admission.placeable(request, candidates)
+            # -- schedule --------------------------------------------------------------------------
+            upstream = profile.schedule(request, candidates, self.state, timer, why, ranked=ranked)
         except RequestError as err:
             if err.code == "slo_unattainable":  # slo-ttft / slo-tpot: counted as an admission shed
                 klass = priority_class(request.priority).value
                 self.metrics.admission.labels(priority=klass, decision="shed", reason=err.code).inc()
             raise
+        finally:
+            request.prepared = None  # the decision's figures: not kept while the request runs
         if why is not None and self.decisions is not None:
             self.decisions.add(why)
         if upstream is None:
@@ -411,20 +413,6 @@ class RequestLifecycle:
                 self.admission.dispatch(model)
         self.metrics.errors_by(str(error.status)).inc()  # shedding at saturation: every request
         self.metrics.requests_by(self.metrics.model_label(model), "", "rejected").inc()
-
-    def _backlog(self) -> Backlog | None:
-        """The default profile's predicted prefill queue, for admission's saturation signal."""
-        predictor, state = self.config.profile.predictor, self.state
-        if predictor is None:
-            return None
-        return lambda u: predictor.backlog(u, state)
-
-    def _own_ttft(self) -> OwnTtft | None:
-        """The default profile's predicted TTFT for one request, for admission's placement."""
-        predictor, state = self.config.profile.predictor, self.state
-        if predictor is None:
-            return None
-        return lambda request, candidates: predictor.predict_ttft(request, candidates, state)
 
     def _admission_candidates(self, model: str) -> tuple[Upstream, ...]:
         """Who admission measures for `model`: the live candidates, else the static pool's."""

@@ -91,6 +91,11 @@ class InferenceRequest:
     predicted_ttft_s: float | None = None
     """Set by the profile's TTFT predictor when the request is placed: its own predicted TTFT on the
     upstream chosen (the per-class metrics read it)."""
+    prepared: dict[str, dict[str, float]] | None = None
+    """The decision's prepared figures, by name then upstream id (e.g. "predicted-ttft": this
+    request's own predicted TTFT there, seconds): written once by the profile's producers in the
+    prepare stage (extproc.scheduling.framework.Producer), read by admission and the plugins that
+    consume them; None outside a decision."""
 
     def release_prompt(self) -> None:
         """Drop the prompt (text, messages, token ids) once the request is routed, so that a routed

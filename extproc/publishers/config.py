@@ -214,17 +214,43 @@ _TIMINGS = (
 )
 
 
+# What only the service's fleet feed reads (how often it resyncs, how long stale snapshots serve).
+SERVICE_ONLY_REDIS_KEYS = ("resync_interval_s", "stale_ready_grace_ttls")
+
+
+def publisher_keys() -> dict[str, Any]:
+    """Every key of the publisher YAML as a tree (as config.service_keys(); "*" stands for the
+    entries of `instances`), from the key sets the parser accepts: what docs/fleet-state.md is
+    checked against."""
+    top = dict.fromkeys(set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"})
+    instance: dict[str, Any] = dict.fromkeys(InstanceSpec.__dataclass_fields__)
+    instance["kv_events"] = dict.fromkeys(KvEventsSpec.__dataclass_fields__)
+    return {
+        **dict(sorted(top.items())),
+        "redis": dict.fromkeys(
+            k for k in RedisSettings.__dataclass_fields__ if k not in SERVICE_ONLY_REDIS_KEYS
+        ),
+        "instances": {"*": instance},
+    }
+
+
 def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig:
     raw: dict[str, Any] = {}
     if path:
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
-    raw.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
     redis_raw = dict(mapping(raw.pop("redis", None), "publisher: 'redis'"))
-    for key in ("url", "pool", "key_prefix", "username", "password"):
-        if f"redis_{key}" in raw:
-            redis_raw[key] = raw.pop(f"redis_{key}")
+    for key in ("url", "pool", "key_prefix", "username", "password"):  # the command line's --redis-*
+        if f"redis_{key}" in given:
+            redis_raw[key] = given.pop(f"redis_{key}")
+    raw.update(given)
+    for key in SERVICE_ONLY_REDIS_KEYS:
+        if key in redis_raw:
+            raise ConfigError(
+                f"publisher: 'redis.{key}' is the service's (its fleet: section), not the publisher's"
+            )
     redis = redis_settings(redis_raw, "publisher: 'redis'", password_env=ENV_REDIS_PASSWORD)
     instances = [instance_from_dict(i) for i in raw.pop("instances", []) or []]
     check_keys(raw, set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"}, "publisher")

@@ -78,10 +78,13 @@ class ExplainSettings:
         return explanation.header_value() if self.detail == "full" else explanation.summary_value()
 
 
+EXPLAIN_KEYS = ("header", "keep_last", "detail")
+
+
 def explain_settings(raw: Any) -> ExplainSettings:
     where = "config: 'explain'"
     section = mapping(raw, where)
-    check_keys(section, ("header", "keep_last", "detail"), where)
+    check_keys(section, EXPLAIN_KEYS, where)
     values: dict[str, Any] = {}
     if "header" in section:
         header = section["header"]

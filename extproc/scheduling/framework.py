@@ -8,11 +8,13 @@ profile collects them when it is built, so the request path never probes for the
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from extproc.fleet import Load, Upstream
 from extproc.fleet.view import KvHeld
@@ -108,14 +110,6 @@ class FinishHook(Protocol):
 
 
 @runtime_checkable
-class ProfileBound(Protocol):
-    """A plugin that uses another plugin of its profile (e.g. `slo-ttft` reads `predicted-ttft`'s
-    predictions); told its profile once, when the profile is built."""
-
-    def bind_profile(self, profile: Profile) -> None: ...
-
-
-@runtime_checkable
 class Reporting(Protocol):
     """A plugin with figures of its own for /metrics and the explain header (the calibration of
     `predicted-ttft`, the drops of `bounded-load`). `report()` runs on the metrics server's thread at
@@ -126,19 +120,40 @@ class Reporting(Protocol):
         ...
 
 
-@runtime_checkable
-class TtftPredictor(Protocol):
-    """The role `predicted-ttft` plays for the rest of the lifecycle: the time to first token a
-    request is predicted to see on each candidate, and the prefill queued at an upstream. Its readers
-    (the `slo-ttft` filter, admission's predicted wait and placement) find it by this role through
-    `Profile.predictor`, never by plugin type: any scorer that implements it can take its place, and
-    a profile without one is refused where a reader needs it."""
+PREDICTED_TTFT = "predicted-ttft"
+"""The prepared figure of a request's own predicted time to first token on each candidate, seconds:
+the queue ahead, its uncached prefill, the decode load and the waits for a batch place and for KV
+room, without the placement costs a scorer adds for other requests (what `slo-ttft` and admission's
+placement compare). A candidate without a figure (a large pool's unsampled one) counts as never."""
 
-    def predict_ttft(
-        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
-    ) -> Sequence[float]:
-        """Seconds, one per candidate, in order."""
+
+@runtime_checkable
+class Producer(Protocol):
+    """A plugin that prepares figures for a request once per decision (the prepare stage, before
+    admission's placement and the profile's filters): for each name in `produces`, a value per
+    candidate in `request.prepared[name]`, by upstream id. Its readers (plugins that list the name
+    in `consumes`, admission) read them there by name and never call it, so any plugin producing
+    the name can take its place; a profile with a consumer but no producer is refused at load."""
+
+    produces: ClassVar[tuple[str, ...]]
+
+    def prepare(self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState) -> None:
+        """Write this request's figures for `candidates` (a large pool's sample of them may do)."""
         ...
+
+
+@runtime_checkable
+class Consumer(Protocol):
+    """A plugin that reads prepared figures (`request.prepared[name]`) for each name in `consumes`."""
+
+    consumes: ClassVar[tuple[str, ...]]
+
+
+@runtime_checkable
+class PrefillQueue(Protocol):
+    """A plugin that models the prefill queued at each upstream (`predicted-ttft`): a figure of the
+    upstream, not of one request, which admission's saturation signal reads between decisions too
+    (a finished request wakes a waiter) through `Profile.backlog`."""
 
     def backlog(self, upstream: Upstream, state: FleetState) -> tuple[float, float]:
         """(seconds of prefill queued at `upstream`, mean prefill seconds of a request sent there)."""
@@ -272,6 +287,16 @@ def build_picker(name: str, params: dict[str, Any] | None = None) -> Picker:
     return PICKERS.build(name, params)
 
 
+def producers_of(figure: str) -> list[str]:
+    """The registered plugins that produce a prepared figure, as "kind 'name'"."""
+    return [
+        f"{kind} '{name}'"
+        for kind, registry in _REGISTRIES.items()
+        for name, factory in sorted(registry.factories.items())
+        if figure in getattr(factory, "produces", ())
+    ]
+
+
 def plugin_name(plugin: object) -> str:
     """The name a plugin was registered under (its class name when built outside the registry)."""
     for registry in _REGISTRIES.values():
@@ -296,8 +321,11 @@ class Profile:
     reporting: tuple[Reporting, ...] = field(init=False, default=())
     # Plugins with state per upstream id, told when an upstream has left (UpstreamMemory).
     forgetting: tuple[UpstreamMemory, ...] = field(init=False, default=())
-    # The profile's TTFT predictor (TtftPredictor), the first plugin that is one; None without.
-    predictor: TtftPredictor | None = field(init=False, default=None)
+    # The prepare stage: plugins that write figures by name (Producer), and the names they write.
+    producers: tuple[Producer, ...] = field(init=False, default=())
+    produced: frozenset[str] = field(init=False, default=frozenset())
+    # The model of the prefill queued per upstream (PrefillQueue), the first plugin with one.
+    prefill_queue: PrefillQueue | None = field(init=False, default=None)
     _labels: tuple[tuple[str, ...], tuple[str, ...], str] = field(init=False, default=((), (), ""))
 
     def __post_init__(self) -> None:
@@ -309,7 +337,9 @@ class Profile:
         self.shared = tuple(
             (f"{i}:{plugin_name(p)}", p) for i, p in enumerate(plugins) if isinstance(p, SharedPlugin)
         )
-        self.predictor = next((p for p in plugins if isinstance(p, TtftPredictor)), None)
+        self.producers = tuple(p for p in plugins if isinstance(p, Producer))
+        self.produced = frozenset(name for p in self.producers for name in p.produces)
+        self.prefill_queue = next((p for p in plugins if isinstance(p, PrefillQueue)), None)
         hashing = [p for p in plugins if isinstance(p, PromptHashing)]
         self.hash_spec = hashing[0].prompt_hash_spec() if hashing else None
         self._labels = (
@@ -318,8 +348,39 @@ class Profile:
             plugin_name(self.picker),
         )
         for p in plugins:
-            if isinstance(p, ProfileBound):
-                p.bind_profile(self)
+            if isinstance(p, Consumer):
+                missing = [name for name in p.consumes if name not in self.produced]
+                if missing:
+                    raise ConfigError(
+                        f"profile '{self.name}': plugin '{plugin_name(p)}' reads the prepared figure "
+                        f"'{missing[0]}', which no plugin of the profile produces "
+                        f"(add one that does: {', '.join(producers_of(missing[0])) or 'none registered'})"
+                    )
+
+    def prepare(
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[Upstream],
+        state: FleetState,
+        timer: PluginTimer | None = None,
+    ) -> None:
+        """The prepare stage: a fresh `request.prepared`, filled by every producer for `candidates`
+        (the decision's, before admission's placement narrows them). The lifecycle calls it and
+        clears `request.prepared` when the decision is made; `schedule` calls it itself when no
+        caller did."""
+        request.prepared = {}
+        clock = time.perf_counter
+        for producer in self.producers:
+            t0 = clock()
+            producer.prepare(request, candidates, state)
+            if timer is not None:
+                timer("prepare", plugin_name(producer), clock() - t0)
+
+    def backlog(self, upstream: Upstream, state: FleetState) -> tuple[float, float] | None:
+        """(seconds of prefill queued at `upstream`, mean prefill seconds of a request sent there)
+        by the profile's PrefillQueue; None without one."""
+        queue = self.prefill_queue
+        return None if queue is None else queue.backlog(upstream, state)
 
     def forget_upstream(self, upstream_id: str) -> None:
         """The upstream has left for good: every plugin drops what it kept about it."""
@@ -339,6 +400,23 @@ class Profile:
         returned is recorded in it as well (extproc.scheduling.explain; the decision is the same). With
         `ranked`, the scored candidates are appended to it as (total, upstream):
         the endpoint picker's fallbacks (lifecycle/endpoints.py)."""
+        if request.prepared is None:  # no prepare stage ran (a direct call): this decision's own
+            self.prepare(request, candidates, state, timer)
+            try:
+                return self._schedule(request, candidates, state, timer, explain, ranked)
+            finally:
+                request.prepared = None
+        return self._schedule(request, candidates, state, timer, explain, ranked)
+
+    def _schedule(
+        self,
+        request: InferenceRequest,
+        candidates: Sequence[Upstream],
+        state: FleetState,
+        timer: PluginTimer | None,
+        explain: Explanation | None,
+        ranked: list[tuple[float, Upstream]] | None,
+    ) -> Upstream | None:
         filter_names, scorer_names, picker_name = self._labels
         if explain is not None:  # what each plugin said, kept as given (views built when read)
             explain.begin(self.name, filter_names, self._weights(scorer_names), picker_name, candidates)
@@ -401,24 +479,49 @@ class Profile:
             hook.on_finish(request, upstream)
 
 
+PROFILE_KEYS = ("filters", "scorers", "picker")
+ENTRY_KEYS = ("name", "params")  # of a plugin entry given as a mapping; a scorer's has a weight too
+SCORER_ENTRY_KEYS = ("name", "weight", "params")
+
+
+def plugin_parameters() -> dict[str, dict[str, tuple[str, ...]]]:
+    """Every registered plugin's parameters (its factory's keyword arguments, the keys of an entry's
+    `params:`), by kind and name: what the docs are checked against."""
+    found: dict[str, dict[str, tuple[str, ...]]] = {}
+    for kind, registry in _REGISTRIES.items():
+        for name, factory in sorted(registry.factories.items()):
+            if dataclasses.is_dataclass(factory):
+                fields = dataclasses.fields(factory)
+                params = tuple(f.name for f in fields if f.init and not f.name.startswith("_"))
+            else:
+                code = inspect.signature(factory).parameters
+                params = tuple(
+                    n for n, p in code.items() if p.kind is p.KEYWORD_ONLY or p.default is not p.empty
+                )
+            found.setdefault(kind, {})[name] = params
+    return found
+
+
 def profile_from_config(name: str, raw: Any) -> Profile:
     """Build a profile from YAML: entries are a plugin name or {name, weight, params}."""
     where = f"profile '{name}'"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(raw).__name__}")
-    unknown = set(raw) - {"filters", "scorers", "picker"}
+    unknown = set(raw) - set(PROFILE_KEYS)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: filters, scorers, picker)")
-    filters = tuple(build_filter(*_entry(e, where)) for e in _list(raw.get("filters"), f"{where}.filters"))
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (known: {', '.join(PROFILE_KEYS)})")
+    filters = tuple(
+        build_filter(*_entry(e, f"{where}.filters")) for e in _list(raw.get("filters"), f"{where}.filters")
+    )
     scorers: list[tuple[Scorer, float]] = []
     for e in _list(raw.get("scorers"), f"{where}.scorers"):
-        plugin, params = _entry(e, where)
+        plugin, params = _entry(e, f"{where}.scorers", SCORER_ENTRY_KEYS)
         weight = e.get("weight", 1.0) if isinstance(e, dict) else 1.0
         weight = number(weight, f"{where}: scorer '{plugin}' weight", minimum=0.0)
         if math.isinf(weight):
             raise ConfigError(f"{where}: scorer '{plugin}' weight must be finite")
         scorers.append((build_scorer(plugin, params), weight))
-    picker = build_picker(*_entry(raw.get("picker", "max-score"), where))
+    picker = build_picker(*_entry(raw.get("picker", "max-score"), f"{where}.picker"))
     return Profile(name=name, filters=filters, scorers=tuple(scorers), picker=picker)
 
 
@@ -430,13 +533,15 @@ def _list(value: Any, where: str) -> list[Any]:
     return value
 
 
-def _entry(e: Any, where: str) -> tuple[str, dict[str, Any]]:
+def _entry(e: Any, where: str, keys: tuple[str, ...] = ENTRY_KEYS) -> tuple[str, dict[str, Any]]:
     if isinstance(e, str):
         return e, {}
     if isinstance(e, dict) and isinstance(e.get("name"), str):
-        unknown = set(e) - {"name", "weight", "params"}
+        unknown = set(e) - set(keys)
         if unknown:
-            raise ConfigError(f"{where}: plugin '{e['name']}': unknown keys {sorted(unknown)}")
+            raise ConfigError(
+                f"{where}: plugin '{e['name']}': unknown keys {sorted(unknown)} (known: {', '.join(keys)})"
+            )
         params = e.get("params") or {}
         if not isinstance(params, dict):
             raise ConfigError(f"plugin '{e['name']}': 'params' must be a mapping")

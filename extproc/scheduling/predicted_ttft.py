@@ -46,24 +46,27 @@ import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from extproc.fleet import Load, Upstream
 from extproc.openai import InferenceRequest
 from extproc.scheduling.cache_model import CacheModel, Placement
 from extproc.scheduling.calibration import Calibration
 from extproc.scheduling.capacity import prefill_rates
-from extproc.scheduling.framework import SCORERS, FleetState
+from extproc.scheduling.framework import PREDICTED_TTFT, SCORERS, FleetState
 from extproc.scheduling.prefix import prefix_hashes
-from extproc.scheduling.sharing import RESET, Outbox, PeerChecks, is_int, pack_hashes, unpack_hashes
+from extproc.scheduling.sharing import Outbox, PeerChecks, pack_hashes, unpack_hashes
+from extproc.scheduling.ttft_records import Finish, Pick, Reset, decode
 from extproc.tokenization import block_hashes, estimate_tokens
 
 DEFAULT_PREFILL_TOKENS_PER_S = 2_000.0  # an A10G-class GPU on an 8B model, erring low
 BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (see tokenization)
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
 SENT_WINDOW_S = 60.0  # recent sends kept per upstream
+# Scores are (best + this) / (ttft + this): candidates a few milliseconds apart score alike, whatever
+# their ratio (an idle pool predicts ~0 everywhere).
+SCORE_EPS_S = 0.005
 MAX_DEMAND_KEYS = 100_000  # prefix ends whose recent demand is counted (copy_demand), least recent out
-MAX_REMOTE_PREFILL_S = 3600.0  # a peer's pick predicting more prefill than this is not believed
 
 
 @dataclass(slots=True)
@@ -76,25 +79,53 @@ class _UpstreamModel:
     mean_prefill_s: float = 0.0  # moving mean of the prefill seconds of requests sent here
 
 
+@dataclass(slots=True)
+class _HeldRates:
+    """Prefill rates of one candidate set, kept while its objects stand (they are immutable and
+    replaced when the view is rebuilt; held here, their ids cannot be reused meanwhile)."""
+
+    candidates: tuple[Upstream, ...]
+    loads: tuple[Load | None, ...]
+    key: tuple[tuple[int, ...], tuple[int, ...]]
+    rates: dict[str, float]
+
+
 _Scan = tuple[int, Mapping[bytes, int], Mapping[bytes, None]]  # candidate index, its cache's two maps
 
 
 @dataclass(slots=True)
+class _Facts:
+    """One candidate's figures for one request, computed once per decision (prepare) and read by
+    score() (with the placement costs relative to the other candidates) and on_pick()."""
+
+    matched: int  # leading blocks of the prompt it holds
+    running: int  # sequences there (running + waiting + sent since)
+    rate: float  # its prefill tokens/s, engine tokens
+    uncached: int  # this prompt's tokens it does not hold, this service's count
+    own: float  # this request's own predicted TTFT there
+    evict_s: float  # the prefill seconds of cached blocks this placement would push out, weighted
+    over: bool  # the placement would evict (the cache has no room for it)
+    fill: float  # the share of its cache in use
+
+
+@dataclass(slots=True)
 class _Prediction:
-    """One request's numbers, computed in score() and used again in on_pick()."""
+    """One request's numbers: hashed once, its candidates' facts computed once per decision."""
 
     request: InferenceRequest | None = None
     hashes: list[bytes] = field(default_factory=list)
     tokens: int = 0  # in this service's count (token ids, or the bytes/4 estimate)
-    uncached: dict[str, int] = field(default_factory=dict)
-    rates: dict[str, float] = field(default_factory=dict)  # prefill tokens/s per candidate, engine tokens
-    own: dict[str, float] = field(default_factory=dict)  # this request's own predicted TTFT there
+    facts: dict[str, _Facts] = field(default_factory=dict)
+    # The decision's prepared figures the facts were written into (request.prepared); None: computed
+    # outside a prepare stage, so good for one call only.
+    store: dict[str, dict[str, float]] | None = None
     best_matched: int = 0  # leading blocks held by the candidate holding the most of the prompt
 
 
 @SCORERS.register("predicted-ttft")
 @dataclass(slots=True)
 class PredictedTtftScorer:
+    produces: ClassVar[tuple[str, ...]] = (PREDICTED_TTFT,)
     # Prefill throughput of one unit of capacity weight, the engine's tokens/s: the guess used until
     # the engines' counters measure it (scheduling/capacity.py). 8B-class model: ~34k on an H100,
     # ~2.4k on an A10G (docs/simulator.md).
@@ -132,7 +163,6 @@ class PredictedTtftScorer:
     # prefix of the prompt plus a random sample of the others, up to this many, are predicted in
     # full and the rest score 0, so a decision's cost stops growing with the pool (0: predict all).
     max_evaluated: int = 64
-    eps_s: float = 0.005
     _rng: random.Random = field(init=False, default_factory=random.Random)
     _models: dict[str, _UpstreamModel] = field(init=False, default_factory=dict)
     _last: _Prediction = field(init=False, default_factory=_Prediction)
@@ -143,9 +173,8 @@ class PredictedTtftScorer:
     _serial: int = field(init=False, default=0)
     _remote: dict[str, dict[int, tuple[str, Placement]]] = field(init=False, default_factory=dict)
     _peers: PeerChecks = field(init=False, default_factory=PeerChecks)  # what their records must pass
-    _rates_key: tuple[tuple[int, ...], tuple[int, ...]] = field(init=False, default=((), ()))
-    _rates_held: tuple[tuple[Upstream, ...], tuple[Load | None, ...]] = field(init=False, default=((), ()))
-    _rates_cache: dict[str, float] = field(init=False, default_factory=dict)
+    # The last two sets' prefill rates (a decision's whole set and what its filters left of it).
+    _rates_held: list[_HeldRates] = field(init=False, default_factory=list)
     # _preselect's scan list: (index, pinned, evictable) per candidate with a model, kept while the
     # candidates object and the set of models stay the same.
     _scan_key: tuple[int, int] = field(init=False, default=(0, -1))
@@ -255,44 +284,161 @@ class PredictedTtftScorer:
                 model.busy_until = max(model.busy_until, floor)
         return max(0.0, model.busy_until - now)
 
-    # -- scoring -------------------------------------------------------------------------------------
+    # -- prepare and score ----------------------------------------------------------------------------
+    def prepare(self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState) -> None:
+        """framework.Producer: this request's own predicted TTFT on each candidate (a large pool's
+        sample of them: `_preselect`), written into `request.prepared["predicted-ttft"]` and kept,
+        with what it is made of, for score() and on_pick() of the same decision."""
+        pred = self._predict(request)
+        pred.store = request.prepared
+        pred.facts = {}
+        self._add_facts(request, pred, candidates, state, sample=True)
+        # The prefix demand a pick counts (copy_demand) is this set's longest match until a score
+        # over the candidates left says otherwise.
+        pred.best_matched = max((f.matched for f in pred.facts.values()), default=0)
+
     def score(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[float]:
-        predicted = self._evaluate(request, candidates, state)[1]
+        predicted = self._placed_costs(request, candidates, state)
         best = min(predicted)
-        eps = self.eps_s
+        eps = SCORE_EPS_S
         return [(best + eps) / (p + eps) for p in predicted]
 
-    def predict_ttft(
+    def _candidate_facts(
+        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
+    ) -> tuple[_Prediction, list[_Facts | None]]:
+        """The facts of each candidate: those the decision's prepare stage computed, plus any
+        candidate it did not or whose prefill rate differs among these candidates (a profile used
+        without the stage computes them all here, anew)."""
+        pred = self._predict(request)
+        if pred.store is None or pred.store is not request.prepared:  # no prepare stage: this call's
+            pred.store = None
+            pred.facts = {}
+            self._add_facts(request, pred, candidates, state, sample=True)
+        else:
+            facts = pred.facts
+            # Prefill rates are compared within the candidates scored (capacity.py groups alike
+            # GPUs among them): where the filters left a set whose grouping differs, the candidates
+            # whose rate moved are predicted again.
+            rates = self._rates(candidates, state.loads_of(candidates))
+            moved = [u for u in candidates if (f := facts.get(u.id)) is not None and f.rate != rates[u.id]]
+            if moved:
+                self._add_facts(request, pred, moved, state, sample=False, pool=candidates)
+            missing = [u for u in candidates if u.id not in facts]
+            if missing and (
+                not self.max_evaluated
+                or len(candidates) <= self.max_evaluated
+                or not any(u.id in facts for u in candidates)  # none of its sample left: a new one
+            ):
+                self._add_facts(
+                    request, pred, missing, state, sample=len(missing) == len(candidates), pool=candidates
+                )
+        facts = pred.facts
+        return pred, [facts.get(u.id) for u in candidates]
+
+    def _add_facts(
+        self,
+        request: InferenceRequest,
+        pred: _Prediction,
+        candidates: Sequence[Upstream],
+        state: FleetState,
+        sample: bool,
+        pool: Sequence[Upstream] | None = None,
+    ) -> None:
+        """Facts for `candidates` (for at most `max_evaluated` of them when `sample`), written into
+        the decision's prepared figures when there are some. Prefill rates are compared over `pool`
+        (the candidates themselves by default)."""
+        if not candidates:
+            return
+        loads = state.loads_of(candidates)
+        # Rates over the whole set (cached while the view stands): a sample's slowest is not the pool's.
+        rates = self._rates(candidates, loads) if pool is None else self._rates(pool, state.loads_of(pool))
+        if sample and self.max_evaluated and len(candidates) > self.max_evaluated:
+            chosen = self._preselect(request, pred.hashes, candidates, state)
+            candidates = [candidates[i] for i in chosen]
+            loads = [loads[i] for i in chosen]
+        now = state.now()
+        bt = self.block_tokens
+        new_output = math.ceil(self._output_tokens(request) / bt)
+        ratio = self.calibration.ratio
+        figures = None
+        if pred.store is not None:
+            figures = pred.store.setdefault(PREDICTED_TTFT, {})
+        facts = pred.facts
+        # Every snapshot is taken in (calibration, cache sizes) before any figure is read: the pool's
+        # token ratio, which an upstream without its own reads, moves with each.
+        models = [self._model(u.id, load) for u, load in zip(candidates, loads, strict=True)]
+        for u, load, model in zip(candidates, loads, models, strict=True):
+            m = self._matched(request, pred.hashes, model, u.id, state)
+            running = self._running(u, load, state)
+            engine_rate = rates[u.id]  # the engine's tokens per second
+            rate = engine_rate / ratio(u.id)  # tokens of this service's count per second
+            uncached = pred.tokens - min(m * bt, pred.tokens - 1)
+            ttft = self._wait(model, load, now) + uncached / rate
+            ttft += self.decode_tokens_per_running * running / engine_rate
+            ttft += slot_wait(state, u.id)
+            cache = model.cache
+            new_blocks = len(pred.hashes) - m + new_output
+            if new_blocks > cache.capacity_blocks - cache.pinned_blocks:
+                ttft += self.room_penalty_s
+            over = max(0, cache.used_blocks + new_blocks - cache.capacity_blocks)
+            evicted = min(over, cache.used_blocks - cache.pinned_blocks)
+            facts[u.id] = _Facts(
+                matched=m,
+                running=running,
+                rate=engine_rate,
+                uncached=uncached,
+                own=ttft,
+                evict_s=self.evict_weight * evicted * bt / rate,
+                over=over > 0,
+                fill=cache.used_blocks / cache.capacity_blocks,
+            )
+            if figures is not None:
+                figures[u.id] = ttft
+
+    def _placed_costs(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> list[float]:
-        """This request's own predicted time to first token on each candidate, in seconds: the
-        queue ahead, its uncached prefill, the decode load and the wait for KV room, without the
-        placement costs the score adds for other requests (what the `slo-ttft` filter compares)."""
-        return self._evaluate(request, candidates, state)[0]
-
-    def _evaluate(
-        self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
-    ) -> tuple[list[float], list[float]]:
-        """(own TTFT, TTFT plus placement costs) per candidate, in seconds."""
-        pred = self._predict(request)
-        all_loads = state.loads_of(candidates)
-        # Rates over the whole pool (cached while the view stands): a sample's slowest is not the pool's.
-        pred.rates = self._rates(candidates, all_loads)
-        pred.uncached = {}
-        pred.own = {}
-        n = len(candidates)
-        if self.max_evaluated and n > self.max_evaluated:
-            chosen = self._preselect(request, pred.hashes, candidates, state)
-            own_sub, predicted_sub = self._predicted(
-                request, pred, [candidates[i] for i in chosen], [all_loads[i] for i in chosen], state
-            )
-            own, predicted = [math.inf] * n, [math.inf] * n
-            for i, a, b in zip(chosen, own_sub, predicted_sub, strict=True):
-                own[i], predicted[i] = a, b
-            return own, predicted
-        return self._predicted(request, pred, candidates, all_loads, state)
+        """Each candidate's own TTFT plus the placement costs relative to the others: the blocks it
+        evicts, a copy of a prefix another candidate holds (or its discount), the footprint of a
+        prefix nobody holds. Unevaluated candidates (outside a large pool's sample): infinite."""
+        pred, facts = self._candidate_facts(request, candidates, state)
+        known = [f for f in facts if f is not None]
+        if not known:
+            return [math.inf] * len(candidates)
+        now = state.now()
+        bt = self.block_tokens
+        best_matched = max(f.matched for f in known)
+        pred.best_matched = best_matched
+        discount = self.copy_discount
+        if self.copy_demand > 0 and best_matched and discount:
+            discount *= min(1.0, self._demand_at(pred.hashes[best_matched - 1], now) / self.copy_demand)
+        # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
+        holder_running = min(f.running for f in known if f.matched == best_matched)
+        ratio = self.calibration.ratio
+        predicted: list[float] = []
+        for u, f in zip(candidates, facts, strict=True):
+            if f is None:
+                predicted.append(math.inf)
+                continue
+            rate = f.rate / ratio(u.id)
+            ttft = f.own + f.evict_s
+            m = f.matched
+            if best_matched > m:
+                # A copy of a prefix another candidate holds costs only where the cache has no room
+                # for it (it evicts others, or waits for running requests to free blocks).
+                copy_s = (best_matched - m) * bt / rate
+                relief = 0.0
+                if not f.over and holder_running > f.running:
+                    relief = 1.0 - (f.running + 1) / (holder_running + 1)
+                # A copy is penalised unless it relieves a much busier holder; then it is discounted.
+                ttft += copy_s * (self.duplicate_weight * (1.0 - relief))
+                ttft -= copy_s * discount * relief
+            elif best_matched == 0 and self.footprint_weight:
+                ttft += self.footprint_weight * f.uncached / rate * f.fill
+            predicted.append(ttft)
+        return predicted
 
     def _preselect(
         self,
@@ -382,80 +528,19 @@ class PredictedTtftScorer:
             self._scan, self._scan_key, self._scan_held = scan, key, candidates
         return self._scan
 
-    def _predicted(
-        self,
-        request: InferenceRequest,
-        pred: _Prediction,
-        candidates: Sequence[Upstream],
-        loads: Sequence[Load | None],
-        state: FleetState,
-    ) -> tuple[list[float], list[float]]:
-        now = state.now()
-        bt = self.block_tokens
-        rates = pred.rates
-        matched: list[int] = []
-        models: list[_UpstreamModel] = []
-        for u, load in zip(candidates, loads, strict=True):
-            model = self._model(u.id, load)
-            models.append(model)
-            matched.append(self._matched(request, pred.hashes, model, u.id, state))
-        predicted: list[float] = []
-        own: list[float] = []
-        new_output = math.ceil(self._output_tokens(request) / bt)
-        best_matched = max(matched)
-        pred.best_matched = best_matched
-        discount = self.copy_discount
-        if self.copy_demand > 0 and best_matched and discount:
-            discount *= min(1.0, self._demand_at(pred.hashes[best_matched - 1], now) / self.copy_demand)
-        running_all = [self._running(u, load, state) for u, load in zip(candidates, loads, strict=True)]
-        # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
-        holder_running = min(r for r, m in zip(running_all, matched, strict=True) if m == best_matched)
-        ratio = self.calibration.ratio
-        for u, model, load, m, running in zip(candidates, models, loads, matched, running_all, strict=True):
-            engine_rate = rates[u.id]  # the engine's tokens per second
-            rate = engine_rate / ratio(u.id)  # tokens of this service's count per second
-            uncached = pred.tokens - min(m * bt, pred.tokens - 1)
-            pred.uncached[u.id] = uncached
-            ttft = self._wait(model, load, now) + uncached / rate
-            ttft += self.decode_tokens_per_running * running / engine_rate
-            ttft += slot_wait(state, u.id)
-            cache = model.cache
-            new_blocks = len(pred.hashes) - m + new_output
-            if new_blocks > cache.capacity_blocks - cache.pinned_blocks:
-                ttft += self.room_penalty_s
-            pred.own[u.id] = ttft
-            own.append(ttft)
-            over = max(0, cache.used_blocks + new_blocks - cache.capacity_blocks)
-            evicted = min(over, cache.used_blocks - cache.pinned_blocks)
-            ttft += self.evict_weight * evicted * bt / rate
-            if best_matched > m:
-                # A copy of a prefix another candidate holds costs only where the cache has no room
-                # for it (it evicts others, or waits for running requests to free blocks).
-                copy_s = (best_matched - m) * bt / rate
-                relief = 0.0
-                if not over and holder_running > running:
-                    relief = 1.0 - (running + 1) / (holder_running + 1)
-                # A copy is penalised unless it relieves a much busier holder; then it is discounted.
-                ttft += copy_s * (self.duplicate_weight * (1.0 - relief))
-                ttft -= copy_s * discount * relief
-            elif best_matched == 0 and self.footprint_weight:
-                ttft += self.footprint_weight * uncached / rate * cache.used_blocks / cache.capacity_blocks
-            predicted.append(ttft)
-        return own, predicted
-
     def _rates(self, candidates: Sequence[Upstream], loads: Sequence[Load | None]) -> dict[str, float]:
         """Prefill tokens/s per candidate, in the engines' tokens (scheduling/capacity.py), over the
         whole pool: a sample's slowest is not the pool's."""
-        # Upstreams and loads are immutable and replaced when the view is rebuilt: the same objects
-        # give the same rates. The cache holds them, so their ids cannot be reused meanwhile. The
-        # same two tuples (the view's candidates, loads_of()'s answer) are the common case: no
-        # per-candidate work at all.
-        held_candidates, held_loads = self._rates_held
-        if candidates is held_candidates and loads is held_loads:
-            return self._rates_cache
+        # The same objects give the same rates. The same two tuples (the view's candidates,
+        # loads_of()'s answer) are the common case: no per-candidate work at all.
+        held = self._rates_held
+        for entry in held:
+            if candidates is entry.candidates and loads is entry.loads:
+                return entry.rates
         key = (tuple(map(id, candidates)), tuple(map(id, loads)))
-        if key == self._rates_key:
-            return self._rates_cache
+        for entry in held:
+            if key == entry.key:
+                return entry.rates
         rates = prefill_rates(
             candidates,
             loads,
@@ -464,8 +549,8 @@ class PredictedTtftScorer:
             measured=self.measured_rate,
             gpu_prior=self.gpu_prior,
         )
-        self._rates_key, self._rates_cache = key, rates
-        self._rates_held = (tuple(candidates), tuple(loads))
+        held.insert(0, _HeldRates(tuple(candidates), tuple(loads), key, rates))
+        del held[2:]
         return rates
 
     def on_pick(self, request: InferenceRequest, upstream: Upstream, state: FleetState) -> None:
@@ -473,16 +558,16 @@ class PredictedTtftScorer:
         now = state.now()
         load = state.load(upstream.id)
         model = self._model(upstream.id, load)
-        uncached = pred.uncached.get(upstream.id)
-        rate = pred.rates.get(upstream.id)
-        if uncached is None or rate is None:  # picked without scoring (a single candidate)
+        facts = pred.facts.get(upstream.id)
+        if facts is None:  # picked without a prediction (a profile used without its stages)
             cached = self._matched(request, pred.hashes, model, upstream.id, state) * self.block_tokens
             uncached = pred.tokens - min(cached, pred.tokens - 1)
             rate = self._rates((upstream,), (load,))[upstream.id]
-        prefill_s = uncached * self.calibration.ratio(upstream.id) / rate
-        own = pred.own.get(upstream.id)
-        if own is None:  # not scored: its queue and its prefill
+            prefill_s = uncached * self.calibration.ratio(upstream.id) / rate
             own = self._wait(model, load, now) + prefill_s
+        else:
+            prefill_s = facts.uncached * self.calibration.ratio(upstream.id) / facts.rate
+            own = facts.own
         self.calibration.sent(upstream.id, now, pred.tokens, own)
         request.predicted_ttft_s = own
         model.busy_until = max(now, model.busy_until) + prefill_s
@@ -494,10 +579,10 @@ class PredictedTtftScorer:
             self._count_demand(pred.hashes[pred.best_matched - 1], now)
         self._serial += 1
         if self._outbox.active:
-            blob = pack_hashes(pred.hashes)
-            self._outbox.add(
-                ["p", self._serial, upstream.id, blob, output_blocks, prefill_s, now, pred.best_matched]
+            pick = Pick(
+                self._serial, upstream.id, pred.hashes, output_blocks, prefill_s, now, pred.best_matched
             )
+            self._outbox.add(pick.encode())
         placed = self._placed
         placed[id(request)] = (request, upstream.id, placement, self._serial)
         if len(placed) > MAX_TRACKED:  # finishes that never came (should not happen): drop the oldest
@@ -556,7 +641,7 @@ class PredictedTtftScorer:
         if model is not None:
             model.cache.release(placed[2])
         if self._outbox.active:
-            self._outbox.add(["f", placed[3]])
+            self._outbox.add(Finish(placed[3]).encode())
 
     # -- shared between replicas (framework.SharedPlugin; server/sync.py) ---------------------------
     def take_updates(self) -> list[Any]:
@@ -569,57 +654,38 @@ class PredictedTtftScorer:
         """Another replica's picks place blocks in the cache models and add their prefill to the
         virtual queues, as this replica's own do; its finishes release them. Records of another
         shape, about upstreams this replica does not know, or stamped with a time it does not
-        believe (NaN, far off; `PeerChecks.when`) are skipped and counted."""
+        believe (NaN, far off; `PeerChecks.when`) are skipped and counted (ttft_records.decode)."""
         remote = self._remote.setdefault(origin, {})
-        for record in updates:
-            kind = record[0] if isinstance(record, list) and record else None
-            if kind == "p" and len(record) in (7, 8):  # 7: a replica from before demand counting
+        peers = self._peers
+        for raw in updates:
+            record = decode(raw, peers)
+            if isinstance(record, Pick):
                 self._apply_pick(remote, record)
-            elif kind == "f" and len(record) == 2 and is_int(record[1]):
-                held = remote.pop(record[1], None)
+            elif isinstance(record, Finish):
+                held = remote.pop(record.serial, None)
                 if held is not None:
                     model = self._models.get(held[0])
                     if model is not None:
                         model.cache.release(held[1])
-            elif kind == RESET and len(record) == 1:
+            elif isinstance(record, Reset):
                 self.forget_origin(origin)
                 remote = self._remote.setdefault(origin, {})
-            else:
-                self._peers.reject("record")
 
-    def _apply_pick(self, remote: dict[int, tuple[str, Placement]], record: list[Any]) -> None:
-        _, serial, uid, blob, output_blocks, prefill_s, when, *rest = record
-        hashes = unpack_hashes(blob)
-        peers = self._peers
-        if (
-            hashes is None
-            or not is_int(serial)
-            or not is_int(output_blocks)
-            or not isinstance(prefill_s, int | float)
-            or isinstance(prefill_s, bool)
-            or not 0 <= prefill_s < MAX_REMOTE_PREFILL_S  # (NaN fails too)
-        ):
-            peers.reject("record")
-            return
-        if not peers.upstream(uid):
-            return
-        at = peers.when(when)
-        if at is None:
-            return
-        when = at
+    def _apply_pick(self, remote: dict[int, tuple[str, Placement]], pick: Pick) -> None:
+        uid, when, prefill_s, hashes = pick.upstream_id, pick.at, pick.prefill_s, pick.hashes
         model = self._model(uid, None)
         model.busy_until = max(when, model.busy_until) + prefill_s
         model.sent.append((when, prefill_s))
         model.mean_prefill_s += (prefill_s - model.mean_prefill_s) * 0.1
-        placement = model.cache.place(hashes[: self.max_blocks], max(0, min(output_blocks, 1 << 16)))
-        old = remote.pop(serial, None)
+        placement = model.cache.place(hashes[: self.max_blocks], pick.output_blocks)
+        old = remote.pop(pick.serial, None)
         if old is not None:  # a serial seen twice (a restarted peer reusing its id): release the old
             held = self._models.get(old[0])
             if held is not None:
                 held.cache.release(old[1])
-        remote[serial] = (uid, placement)
-        best = rest[0] if rest else 0  # the longest prefix any candidate held, for copy_demand
-        if self.copy_demand > 0 and is_int(best) and 0 < best <= len(hashes):
+        remote[pick.serial] = (uid, placement)
+        best = pick.best_matched  # the longest prefix any candidate held, for copy_demand
+        if self.copy_demand > 0 and best:
             self._count_demand(hashes[best - 1], when)
         if len(remote) > MAX_TRACKED:
             uid0, placement0 = remote.pop(next(iter(remote)))

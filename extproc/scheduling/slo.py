@@ -3,9 +3,10 @@
 `slo-ttft`, for the time to first token:
 
 A request opts in with an objective (`x-llm-ttft-slo-ms`, or the route's metadata); without one this
-filter passes everything through. With one, it asks the profile's `predicted-ttft` scorer for this
-request's own predicted TTFT on every candidate (the same prediction that scores them: no second
-model) and keeps those within the objective. When none is, the request is shed at once with 429
+filter passes everything through. With one, it reads this request's own predicted TTFT on every
+candidate from the decision's prepared figures (`predicted-ttft`, written once by the profile's
+`predicted-ttft` scorer in the prepare stage: the same prediction that scores them, no second model)
+and keeps those within the objective. When none is, the request is shed at once with 429
 `slo_unattainable` (and Retry-After): a request that asked for a first token within 300 ms is better
 told now than served in 3 s. The predictions are only as good as `prefill_tokens_per_s`: set it to
 the GPUs' real prefill rate (docs/tuning.md).
@@ -20,23 +21,25 @@ figure (idle, or no snapshot yet) counts as within. It does not narrow the candi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.openai.errors import slo_unattainable
-from extproc.scheduling.framework import FILTERS, FleetState, Profile, TtftPredictor
-from extproc.settings import DEFAULT_TPOT_WINDOW_S, ConfigError
+from extproc.scheduling.framework import FILTERS, PREDICTED_TTFT, FleetState
+from extproc.settings import DEFAULT_TPOT_WINDOW_S
 
 
 @FILTERS.register("slo-ttft")
 @dataclass(slots=True)
 class SloTtftFilter:
+    consumes: ClassVar[tuple[str, ...]] = (PREDICTED_TTFT,)
     # Keep candidates whose prediction is within objective x this (below 1: a safety margin).
     margin: float = 1.0
     retry_after_s: int = 1
-    _predictor: TtftPredictor | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.margin > 0:
@@ -44,21 +47,14 @@ class SloTtftFilter:
         if self.retry_after_s < 1:
             raise ValueError("'retry_after_s' must be >= 1")
 
-    def bind_profile(self, profile: Profile) -> None:
-        if profile.predictor is None:
-            raise ConfigError(
-                f"profile '{profile.name}': filter 'slo-ttft' needs a TTFT predictor (the "
-                "'predicted-ttft' scorer) in the same profile"
-            )
-        self._predictor = profile.predictor
-
     def filter(
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[Upstream]:
         slo_ms = request.ttft_slo_ms
-        if slo_ms is None or not candidates or self._predictor is None:
+        figures = (request.prepared or {}).get(PREDICTED_TTFT)
+        if slo_ms is None or not candidates or figures is None:
             return candidates
-        predicted = self._predictor.predict_ttft(request, candidates, state)
+        predicted = [figures.get(u.id, math.inf) for u in candidates]
         limit = slo_ms / 1000.0 * self.margin
         kept = [u for u, p in zip(candidates, predicted, strict=True) if p <= limit]
         if not kept:

@@ -247,7 +247,8 @@ class Metrics:
         )
         self.plugin_seconds = Histogram(
             "llm_extproc_plugin_seconds",
-            "Time spent in each scheduling plugin per decision, by plugin kind and name.",
+            "Time spent in each scheduling plugin per decision, by stage (prepare, filter, scorer, "
+            "picker) and plugin name.",
             ["kind", "plugin"],
             buckets=_PLUGIN_BUCKETS,
             registry=self.registry,

@@ -42,6 +42,7 @@ _KIND_KEYS: dict[Kind, tuple[str, ...]] = {
     "tiktoken": ("tiktoken_file", "pat_str", "special_tokens", "max_model_len", *_COMMON_KEYS),
     "estimate": ("estimate_bytes_per_token", *_COMMON_KEYS),
 }
+TOKENIZER_KEYS = tuple(dict.fromkeys(k for keys in _KIND_KEYS.values() for k in keys))  # of every kind
 
 
 @dataclass(slots=True, frozen=True)
