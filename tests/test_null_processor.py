@@ -8,6 +8,7 @@ import json
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,3 +47,54 @@ def test_the_do_nothing_processor_routes_every_request_to_its_cluster(tmp_path: 
     finally:
         gw.stop()
         group.close()
+
+
+def test_the_workers_bench_sizes_its_bodies_and_fleet_as_asked() -> None:
+    """`bench-overhead --workers N --prompt-words W --engines E`: ~W-token user turns (28000: the
+    ~200 KB body the decision-cost target names) on E clusters (the demo's 3: gpu-c copied from
+    gpu-b's definition)."""
+    from extproc_lab.bench.scenarios import n_clusters
+    from extproc_lab.bench.workers_overhead import chat_bodies
+
+    small, big = chat_bodies(2)[1], chat_bodies(2, words=28_000)[1]
+    assert len(json.dumps(small)) < 10_000 < 150_000 < len(json.dumps(big)) < 250_000
+    shipped, edit = n_clusters({"gpu-a": [1], "gpu-b": [2], "gpu-c": [3]})
+    assert set(shipped) == {"gpu-a", "gpu-b"}
+    cfg: dict[str, Any] = {
+        "static_resources": {
+            "clusters": [{"name": "llm-extproc"}, {"name": "gpu-a"}, {"name": "gpu-b"}, {"name": "other"}],
+            "listeners": [
+                {
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "typed_config": {
+                                        "route_config": {
+                                            "virtual_hosts": [
+                                                {
+                                                    "routes": [
+                                                        {"route": {"weighted_clusters": {"clusters": []}}}
+                                                    ]
+                                                }
+                                            ]
+                                        }
+                                    }
+                                }
+                            ]
+                        }
+                    ]
+                }
+            ],
+        }
+    }
+    edit(cfg)
+    names = [c["name"] for c in cfg["static_resources"]["clusters"]]
+    assert names == ["llm-extproc", "gpu-a", "gpu-b", "gpu-c"]  # added, and the unused one dropped
+    gpu_c = cfg["static_resources"]["clusters"][-1]
+    assert (
+        gpu_c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+            "port_value"
+        ]
+        == 3
+    )

@@ -246,6 +246,8 @@ def _overhead(args: argparse.Namespace) -> int:
                 concurrency=conc[-1],
                 worker_ports=args.worker_ports,
                 same_prompt=args.same_prompt,
+                engines=args.engines,
+                prompt_words=args.prompt_words,
                 out_dir=Path(args.out if args.out != "out/overhead" else "out/overhead-workers"),
             )
         )
@@ -428,6 +430,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="with --workers: send one prompt repeatedly (the token cache serves it) instead of a "
         "different ~1k-token user turn per request",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="with --workers: simulated engines, one cluster each (the demo runs 3)",
+    )
+    p.add_argument(
+        "--prompt-words",
+        type=int,
+        default=800,
+        help="with --workers: words in each user turn (~1 token each; 28000: a ~200 KB body)",
     )
     p.set_defaults(func=_overhead)
 

@@ -12,7 +12,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,16 +136,13 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.0f}%"
 
 
-def _n_cluster_gateway(
-    out_dir: Path,
-    clusters: dict[str, list[int]],
-    redis_url: str | None,
-    profile: dict[str, Any] | None = None,
-    replicas: int = 1,
-    service_extra: dict[str, Any] | None = None,
-) -> LocalGateway:
+EnvoyEdit = Callable[[dict[str, Any]], None]
+
+
+def n_clusters(clusters: dict[str, list[int]]) -> tuple[dict[str, list[int]], EnvoyEdit]:
     """envoy.yaml ships two GPU clusters (gpu-a, gpu-b); more are added by copying gpu-b's definition
-    and shipped ones not in `clusters` are dropped (so is the fallback route's list, accordingly)."""
+    and shipped ones not in `clusters` are dropped (so is the fallback route's list, accordingly).
+    Returns the shipped clusters to give LocalGateway and its `envoy_edit` for the rest."""
 
     def add_cluster(cfg: dict[str, Any]) -> None:
         cl = cfg["static_resources"]["clusters"]
@@ -183,10 +180,21 @@ def _n_cluster_gateway(
             if "weighted_clusters" in route["route"]:  # the fail-open fallback route
                 route["route"]["weighted_clusters"]["clusters"] = [{"name": c, "weight": 1} for c in clusters]
 
-    shipped = {k: v for k, v in clusters.items() if k in ("gpu-a", "gpu-b")}
+    return {k: v for k, v in clusters.items() if k in ("gpu-a", "gpu-b")}, edit
+
+
+def _n_cluster_gateway(
+    out_dir: Path,
+    clusters: dict[str, list[int]],
+    redis_url: str | None,
+    profile: dict[str, Any] | None = None,
+    replicas: int = 1,
+    service_extra: dict[str, Any] | None = None,
+) -> LocalGateway:
+    """A gateway over any number of GPU clusters (n_clusters)."""
+    shipped, edit = n_clusters(clusters)
     service = {**_service_config(clusters, redis_url, profile), **(service_extra or {})}
-    gw = LocalGateway(out_dir, clusters=shipped, service=service, envoy_edit=edit, replicas=replicas)
-    return gw
+    return LocalGateway(out_dir, clusters=shipped, service=service, envoy_edit=edit, replicas=replicas)
 
 
 async def run_overhead(

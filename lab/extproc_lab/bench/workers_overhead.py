@@ -31,7 +31,7 @@ from extproc.fleet.redis_feed import RedisSettings
 from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
 from extproc_lab.bench.loadgen import one_request
 from extproc_lab.bench.report import RequestRecord, summarize
-from extproc_lab.bench.scenarios import MODEL, Baselines, _service_config
+from extproc_lab.bench.scenarios import MODEL, Baselines, _service_config, n_clusters
 from extproc_lab.engines import EngineGroup
 from extproc_lab.stack import LocalGateway, ServiceProcess, find_envoy, local_redis, wait_port
 
@@ -44,11 +44,12 @@ _TEXT = (
 WORDS = tuple(_TEXT.split(" "))
 
 
-def chat_bodies(n: int, seed: int = 0, same: bool = False) -> list[dict[str, Any]]:
-    """`n` chat requests of ~1k tokens: one ~200-token system prompt, a ~800-token user turn each
-    (`same`: one body n times, which the tokenizer's per-message cache then serves)."""
+def chat_bodies(n: int, seed: int = 0, same: bool = False, words: int = 800) -> list[dict[str, Any]]:
+    """`n` chat requests of ~1k tokens: one ~200-token system prompt, a user turn of `words` words
+    (~1 token each) each (`same`: one body n times, which the tokenizer's per-message cache then
+    serves)."""
     if same:
-        return chat_bodies(1, seed) * n
+        return chat_bodies(1, seed, words=words) * n
     rng = random.Random(seed)
     system = " ".join(rng.choice(WORDS) for _ in range(200))
     return [
@@ -57,7 +58,7 @@ def chat_bodies(n: int, seed: int = 0, same: bool = False) -> list[dict[str, Any
             "max_tokens": 1,
             "messages": [
                 {"role": "system", "content": system},
-                {"role": "user", "content": f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(800))},
+                {"role": "user", "content": f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(words))},
             ],
         }
         for i in range(n)
@@ -124,27 +125,29 @@ async def run_workers_overhead(
     concurrency: int = 8,
     worker_ports: str = "consecutive",
     same_prompt: bool = False,
+    engines: int = 1,
+    prompt_words: int = 800,
     out_dir: Path = Path("out/overhead-workers"),
 ) -> int:
     find_envoy()
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    group = EngineGroup([0.0], MODEL)
-    clusters = {"gpu-a": [group.ports[0]]}
+    group = EngineGroup([0.0] * engines, MODEL)
+    clusters = {f"gpu-{chr(ord('a') + i)}": [port] for i, port in enumerate(group.ports)}
     redis, notice = local_redis(out_dir / "redis.log")
     if notice != "redis-server":
         print(notice)
     publisher = Publisher(
         PublisherConfig(
             redis=RedisSettings(url=redis.url, pool="demo"),
-            instances=[InstanceSpec("gpu-a", f"127.0.0.1:{group.ports[0]}", "sim")],
+            instances=[InstanceSpec(c, f"127.0.0.1:{ports[0]}", "sim") for c, ports in clusters.items()],
             interval_s=0.5,
         )
     )
     stop = asyncio.Event()
     pub_task = asyncio.create_task(publisher.run(stop))
-    bodies = chat_bodies(requests + 100, same=same_prompt)
+    bodies = chat_bodies(requests + 100, same=same_prompt, words=prompt_words)
     warm, timed = bodies[:100], bodies[100:]
     rows: list[dict[str, Any]] = []
 
@@ -191,7 +194,8 @@ async def run_workers_overhead(
         await asyncio.sleep(1.0)  # the first snapshot
         await baseline("first")
         service_cfg = _service_config(clusters, redis.url)
-        null_gw = LocalGateway(out_dir / "null", clusters=clusters, service=service_cfg)
+        shipped, envoy_edit = n_clusters(clusters)
+        null_gw = LocalGateway(out_dir / "null", clusters=shipped, service=service_cfg, envoy_edit=envoy_edit)
         service = null_gw.service
         null_gw.services = [NullProcess({}, service.port, service.log_path)]
         null_gw.service = null_gw.services[0]
@@ -205,7 +209,8 @@ async def run_workers_overhead(
         for n in workers:
             gw = LocalGateway(
                 out_dir / f"workers-{n}",
-                clusters=clusters,
+                clusters=shipped,
+                envoy_edit=envoy_edit,
                 service=_service_config(clusters, redis.url),
                 workers=n,
                 worker_ports=worker_ports,
@@ -238,7 +243,10 @@ async def run_workers_overhead(
             )
     path = out_dir / "results.json"
     meta = {
-        "scenario": "closed loop, ~1k-token chat prompts, one engine answering at once",
+        "scenario": "closed loop, chat prompts, engines answering at once",
+        "engines": engines,
+        "user_turn_words": prompt_words,
+        "body_bytes_median": sorted(len(json.dumps(b)) for b in timed)[len(timed) // 2],
         "cpus": os.cpu_count(),
         "worker_ports": worker_ports,
         "prompts": "one repeated" if same_prompt else "a different user turn each",
