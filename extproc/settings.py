@@ -41,6 +41,8 @@ PRIORITY_METADATA_KEY = "x-llm-priority"
 MAX_PRIORITY_METADATA_KEY = "x-llm-max-priority"
 TTFT_SLO_METADATA_KEY = "x-llm-ttft-slo-ms"
 TPOT_SLO_METADATA_KEY = "x-llm-tpot-slo-ms"
+# A route's class objectives over the model's (`admission.objectives`): "critical=2x,standard=10x".
+OBJECTIVES_METADATA_KEY = "x-llm-objectives"
 # Priority classes by name, as the integers the priority header also accepts (Gateway API Inference
 # Extension convention: above 0 critical, 0 standard, below 0 sheddable).
 PRIORITY_NAMES: dict[str, int] = {"critical": 1, "standard": 0, "sheddable": -1}
@@ -184,6 +186,37 @@ class ClassObjectives:
 
     def for_model(self, model: str | None) -> ClassObjectives:
         return self.models.get(model, self) if model is not None and self.models else self
+
+    def over(self, route: RouteObjectives) -> ClassObjectives:
+        """These with a route's own objectives in their place (`x-llm-objectives`)."""
+        if not route:
+            return self
+        own = dict(route)
+        return ClassObjectives(
+            critical=own.get("critical", self.critical),
+            standard=own.get("standard", self.standard),
+            sheddable=own.get("sheddable", self.sheddable),
+        )
+
+
+RouteObjectives = tuple[tuple[str, "Objective"], ...]
+"""A route's objectives by class name (those it sets; route_objectives())."""
+
+
+def route_objectives(value: str, where: str) -> RouteObjectives:
+    """A route's `x-llm-objectives` metadata: `class=objective` pairs, comma-separated, each class at
+    most once, objectives as in `admission.objectives` ("2x", "800ms", "best-effort")."""
+    pairs: dict[str, Objective] = {}
+    for item in value.split(","):
+        name, sep, objective = item.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in CLASS_NAMES or name in pairs:
+            raise ConfigError(
+                f"{where}: expected class=objective pairs (classes {', '.join(CLASS_NAMES)}, each once), "
+                f"got {item.strip()!r}"
+            )
+        pairs[name] = objective_value(objective.strip(), f"{where}.{name}")
+    return tuple(pairs.items())
 
 
 def objective_value(value: Any, where: str) -> Objective:

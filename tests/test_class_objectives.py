@@ -351,3 +351,35 @@ def test_past_capacity_the_classes_separate_and_goodput_holds_in_the_des() -> No
         },
     }
     assert "| s6-a10g | llm-extproc |" in markdown(result)
+
+
+def test_a_route_sets_its_own_class_objectives_over_the_models() -> None:
+    """`x-llm-objectives` route metadata: the route's standard requests are admitted under its own
+    objectives (here a looser critical one, so they may take the place kept for critical requests);
+    other routes keep the model's. Malformed values are left out at run time and reported by
+    check-config."""
+    from extproc.lifecycle.admission import RouteAdmission, route_admission, route_metadata_errors
+    from extproc.settings import Objective
+
+    route = route_admission([("x-llm-objectives", "critical=3x, standard=best-effort")])
+    assert route == RouteAdmission(
+        cap=None, objectives=(("critical", Objective(factor=3.0)), ("standard", Objective()))
+    )
+    # A full batch of 8, one request a second finishing, a 1 s unloaded TTFT.
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}
+    adm = admission(batches, objectives={"models": {"m": {"critical": "2x"}}})
+    adm.prefill = FixedBacklog(lambda u: (0.0, 1.0))
+    plain, looser = request("standard"), request("standard")
+    route.apply(looser)
+    assert adm.decide(plain) is Verdict.QUEUE  # the model's 2x: one place beyond, kept for critical
+    assert adm.decide(looser) is Verdict.ADMIT  # the route's 3x: two beyond, one of them kept
+    batches["e"] = (9.0, 8.0, 1.0)
+    assert adm.decide(looser) is Verdict.QUEUE
+    assert adm.objectives("m", looser.route_objectives).critical == Objective(factor=3.0)
+    assert adm.objectives("m", looser.route_objectives).sheddable == Objective()  # the model's
+    assert adm.objectives("other", ()).critical == Objective(factor=1.0)  # the top level's
+    for bad in ("critical=fast", "urgent=2x", "critical=2x,critical=3x", "2x"):
+        assert route_admission([("x-llm-objectives", bad)]) == RouteAdmission()  # logged, left out
+        problem = route_metadata_errors("x-llm-objectives", bad)
+        assert problem is not None and "x-llm-objectives" in problem
+    assert route_metadata_errors("x-llm-objectives", "sheddable=30s") is None

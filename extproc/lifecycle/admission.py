@@ -58,17 +58,23 @@ from extproc.scheduling import FleetState
 from extproc.scheduling.framework import PREDICTED_TTFT
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
+    OBJECTIVES_METADATA_KEY,
     PRIORITY_METADATA_KEY,
     PRIORITY_NAMES,
     TPOT_SLO_METADATA_KEY,
     TTFT_SLO_METADATA_KEY,
     AdmissionSettings,
+    ClassObjectives,
+    ConfigError,
     Objective,
+    RouteObjectives,
+    route_objectives,
 )
 from extproc.telemetry import Metrics
 
 log = logging.getLogger("extproc.admission")
 CRITICAL_RATE_WINDOW_S = 10.0  # critical arrivals are counted over about this long
+MAX_ROUTE_OBJECTIVES = 4096  # merged (model, route objectives) kept; more: started afresh
 
 
 class PriorityClass(StrEnum):
@@ -91,12 +97,14 @@ class RouteAdmission:
 
     `fixed`: the route's class, whatever the client sends; `cap`: the highest class its clients may
     ask for (a client's lower class is kept); `ttft_slo_ms` / `tpot_slo_ms`: the objectives for
-    requests whose client set none."""
+    requests whose client set none; `objectives`: class objectives over the model's
+    (`admission.objectives`)."""
 
     fixed: int | None = None
     cap: int | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
+    objectives: RouteObjectives = ()
 
     def apply(self, request: InferenceRequest) -> None:
         if self.fixed is not None:
@@ -107,11 +115,18 @@ class RouteAdmission:
             request.ttft_slo_ms = self.ttft_slo_ms
         if request.tpot_slo_ms is None and self.tpot_slo_ms is not None:
             request.tpot_slo_ms = self.tpot_slo_ms
+        request.route_objectives = self.objectives
 
 
 NO_ROUTE = RouteAdmission()
 _ROUTE_KEYS = frozenset(
-    {PRIORITY_METADATA_KEY, MAX_PRIORITY_METADATA_KEY, TTFT_SLO_METADATA_KEY, TPOT_SLO_METADATA_KEY}
+    {
+        PRIORITY_METADATA_KEY,
+        MAX_PRIORITY_METADATA_KEY,
+        TTFT_SLO_METADATA_KEY,
+        TPOT_SLO_METADATA_KEY,
+        OBJECTIVES_METADATA_KEY,
+    }
 )
 _LOWEST = PRIORITY_NAMES["sheddable"]
 _capped: dict[int | None, RouteAdmission] = {None: NO_ROUTE}  # a route without metadata, per cap
@@ -157,11 +172,18 @@ def route_admission(
         if cap is None:
             cap = _LOWEST
             _warn(MAX_PRIORITY_METADATA_KEY, found[MAX_PRIORITY_METADATA_KEY], "clients capped at sheddable")
+    objectives: RouteObjectives = ()
+    if OBJECTIVES_METADATA_KEY in found:
+        try:
+            objectives = route_objectives(found[OBJECTIVES_METADATA_KEY], OBJECTIVES_METADATA_KEY)
+        except ConfigError:
+            _warn(OBJECTIVES_METADATA_KEY, found[OBJECTIVES_METADATA_KEY], "left out")
     return RouteAdmission(
         fixed=fixed,
         cap=cap,
         ttft_slo_ms=_route_slo(found, TTFT_SLO_METADATA_KEY),
         tpot_slo_ms=_route_slo(found, TPOT_SLO_METADATA_KEY),
+        objectives=objectives,
     )
 
 
@@ -176,6 +198,11 @@ def route_metadata_errors(key: str, value: str) -> str | None:
             parse_slo_ms(value, key)
         except RequestError:
             return f"{key}={value!r}: must be a number of milliseconds above 0"
+    elif key == OBJECTIVES_METADATA_KEY:
+        try:
+            route_objectives(value, key)
+        except ConfigError as exc:
+            return str(exc)
     return None
 
 
@@ -310,6 +337,7 @@ class Admission:
         "_granted",
         "_queued",
         "_queues",
+        "_route_objectives",
         "clock",
         "metrics",
         "prefill",
@@ -336,11 +364,16 @@ class Admission:
         self._granted: dict[str, int] = {}  # woken waiters not yet scheduled, per model
         self._queued = 0
         self._critical: dict[str, tuple[float, float, float]] = {}  # model -> (rate, when, since)
+        # (model, a route's objectives) -> the objectives merged: routes x models, few
+        self._route_objectives: dict[tuple[str | None, RouteObjectives], ClassObjectives] = {}
 
     # -- the signal ------------------------------------------------------------------------------
-    def room(self, model: str, klass: PriorityClass = PriorityClass.STANDARD) -> float:
-        """Headroom of the model's candidates for a request of `klass`, in requests, less what was
-        granted and not yet scheduled: > 0 admits; <= 0 is saturation (for that class)."""
+    def room(
+        self, model: str, klass: PriorityClass = PriorityClass.STANDARD, route: RouteObjectives = ()
+    ) -> float:
+        """Headroom of the model's candidates for a request of `klass` (of a route with `route`'s
+        objectives), in requests, less what was granted and not yet scheduled: > 0 admits; <= 0 is
+        saturation (for that class)."""
         try:
             candidates = self._candidates(model)
         except RequestError:
@@ -348,25 +381,31 @@ class Admission:
         total = 0.0
         share = self.critical_rate(model) / max(1, len(candidates))
         for u in candidates:
-            free = self.headroom(u, klass=klass, critical_share=share, model=model)
+            free = self.headroom(u, klass=klass, critical_share=share, model=model, route=route)
             if free > 0:
                 total += free
         return total - self._granted.get(model, 0)
 
     def class_room(
-        self, u: Upstream, klass: PriorityClass, critical_share: float = 0.0, model: str | None = None
+        self,
+        u: Upstream,
+        klass: PriorityClass,
+        critical_share: float = 0.0,
+        model: str | None = None,
+        route: RouteObjectives = (),
     ) -> float:
         """Requests of `klass` that `u` can take while a request of each higher class sent after
         them would still meet its objective there (the module docstring's "Class objectives"):
         unbounded for critical requests and while `u`'s batch limit is unknown. `critical_share`:
-        critical requests per second expected to arrive at `u`."""
+        critical requests per second expected to arrive at `u`; the objectives are the model's, with
+        `route`'s (a route's `x-llm-objectives`) in their place."""
         if klass is PriorityClass.CRITICAL:
             return math.inf
         occupancy, limit, turnover = self.state.batch(u.id)
         if limit is None:
             return math.inf
         unloaded = self._backlog(u)[1]
-        objectives = self.settings.objectives.for_model(model)
+        objectives = self.objectives(model, route)
         free = math.inf
         # Places kept for critical requests: one, and one more per half a critical request expected
         # to arrive there per request that finishes there.
@@ -394,6 +433,7 @@ class Admission:
         klass: PriorityClass | None = None,
         critical_share: float = 0.0,
         model: str | None = None,
+        route: RouteObjectives = (),
     ) -> float:
         """Requests `u` can still take before it counts as saturated (<= 0: none); without the
         predicted prefill queue when `predicted` is false (the engines' own counts and caps only);
@@ -403,7 +443,7 @@ class Admission:
         w = u.weight
         free = s.max_inflight_per_weight * w - state.count(u.id)
         if klass is not None:
-            free = min(free, self.class_room(u, klass, critical_share, model))
+            free = min(free, self.class_room(u, klass, critical_share, model, route))
         load = state.load(u.id)
         if load is not None:
             waiting = load.num_waiting + state.pending(u.id)
@@ -452,11 +492,12 @@ class Admission:
         if klass is PriorityClass.CRITICAL:
             return self._soonest(request, candidates)
         share = self.critical_rate(request.model) / max(1, len(candidates))
-        model = request.model
-        open_ = tuple(u for u in candidates if self.headroom(u, False, klass, share, model) > 0) or candidates
+        model, route = request.model, request.route_objectives
+        open_ = tuple(u for u in candidates if self.headroom(u, False, klass, share, model, route) > 0)
+        open_ = open_ or candidates
         if request.model is None or self.queue_length(request.model) == 0:  # not saturated
             return open_
-        with_room = [self.headroom(u, True, klass, share, model) > 0 for u in open_]
+        with_room = [self.headroom(u, True, klass, share, model, route) > 0 for u in open_]
         if not any(with_room):
             return open_
         ttft = own_ttft(request, open_)
@@ -478,7 +519,7 @@ class Admission:
             return candidates
         best = min(ttft)
         unloaded = min(self._backlog(u)[1] for u in candidates)
-        budget = self.settings.objectives.for_model(request.model).critical.budget(unloaded)
+        budget = self.objectives(request.model, request.route_objectives).critical.budget(unloaded)
         bound = best + (budget or 0.0) + unloaded
         return tuple(u for u, t in zip(candidates, ttft, strict=True) if t <= bound)
 
@@ -486,6 +527,20 @@ class Admission:
         """(prefill seconds queued at `u`, mean prefill seconds per request); zeros unknown."""
         found = None if self.prefill is None else self.prefill.backlog(u, self.state)
         return (0.0, 0.0) if found is None else found
+
+    def objectives(self, model: str | None, route: RouteObjectives = ()) -> ClassObjectives:
+        """The class objectives of a request for `model` on a route with `route`'s: the model's
+        (`admission.objectives.models`, else the top level), with the route's in their place."""
+        base = self.settings.objectives.for_model(model)
+        if not route:
+            return base
+        key = (model, route)
+        found = self._route_objectives.get(key)
+        if found is None:
+            if len(self._route_objectives) >= MAX_ROUTE_OBJECTIVES:
+                self._route_objectives.clear()
+            found = self._route_objectives[key] = base.over(route)
+        return found
 
     def critical_rate(self, model: str | None) -> float:
         """Critical requests per second for `model`, decayed over CRITICAL_RATE_WINDOW_S."""
@@ -533,7 +588,7 @@ class Admission:
         if ahead:
             self.dispatch(model)  # a snapshot may have freed room since the last finish
             ahead = self.queue_length(model)
-        free = not ahead and self.room(model, klass) > 0
+        free = not ahead and self.room(model, klass, request.route_objectives) > 0
         if free:
             self._count(klass, "admitted", "free")
             return Verdict.ADMIT

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from extproc.openai.errors import RequestError, bad_request
-from extproc.settings import PRIORITY_NAMES
+from extproc.settings import PRIORITY_NAMES, RouteObjectives
 
 
 class Api(StrEnum):
@@ -91,6 +91,8 @@ class InferenceRequest:
     predicted_ttft_s: float | None = None
     """Set by the profile's TTFT predictor when the request is placed: its own predicted TTFT on the
     upstream chosen (the per-class metrics read it)."""
+    route_objectives: RouteObjectives = ()
+    """The class objectives its route's metadata sets (`x-llm-objectives`), over the model's."""
     prepared: dict[str, dict[str, float]] | None = None
     """The decision's prepared figures, by name then upstream id (e.g. "predicted-ttft": this
     request's own predicted TTFT there, seconds): written once by the profile's producers in the
