@@ -745,8 +745,11 @@ class PredictedTtftScorer:
 def slot_wait(state: FleetState, upstream_id: str, extra: int = 0) -> float:
     """Seconds a request sent to `upstream_id` now (after `extra` more) waits for a place in its
     engines' batch: the requests beyond the batch limit, ahead of it and it, over the turnover
-    (fleet/batch.py); 0 while either is unknown."""
-    occupancy, limit, turnover = state.batch(upstream_id)
+    (fleet/batch.py); 0 while either is unknown. Only a count of sequences known for sure counts:
+    one snapshot's queue is as often a burst of prefills, which the prefill queue (`_wait`) counts
+    already, and a full KV cache's limit does not bind a request whose blocks are cached (the room
+    term counts KV); charged for those, warm requests went to cold engines."""
+    occupancy, limit, turnover = state.batch(upstream_id, sequences_only=True)
     if limit is None or not turnover:
         return 0.0
     ahead = occupancy + extra + 1 - limit
