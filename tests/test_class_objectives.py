@@ -36,21 +36,24 @@ def test_the_limit_is_the_batch_seen_queueing_and_a_growing_batch_only_while_it_
     assert b.limit("e") is None  # never queued: unknown
     b.take("e", Snap(5, 2, 1.5))  # a burst of prefills over a step's token budget...
     assert b.limit("e") == 5  # ...or a limit: it holds while the queue is there (for admission)
-    assert b.limit("e", sequences_only=True) is None  # not for a prediction's batch wait (slot_wait)
+    assert b.limit("e", published=True) is None  # not for a prediction's batch wait (slot_wait)
     b.take("e", Snap(7, 0, 2.0))  # the batch grew past it and nobody waits
     assert b.limit("e") is None
     b.take("e", Snap(7, 3, 2.5))
     b.take("e", Snap(7, 3, 3.0))  # the same batch while requests wait: a sequence cap
-    assert b.limit("e") == b.limit("e", sequences_only=True) == 7
+    assert b.limit("e") == 7
+    assert b.limit("e", published=True) is None  # learnt: not a prediction's batch wait
     b.take("e", Snap(8, 0, 3.5))  # it ran 8 at once
     assert b.limit("e") == 8
     b.take("e", Snap(8, 0, 3.5))  # the same snapshot again: nothing new
     assert b.limit("e") == 8
     b.take("e", Snap(6, 1, 4.0, kv_cache_usage=0.95))  # the KV cache is full at 6
     assert b.limit("e") == 6
-    assert b.limit("e", sequences_only=True) is None  # a request sharing cached blocks may fit
-    b.take("e", Snap(6, 0, 4.5, max_num_seqs=6, kv_cache_usage=0.95))  # published: sequences
-    assert b.limit("e", sequences_only=True) == 6
+    assert b.limit("e", published=True) is None
+    b.take("e", Snap(6, 0, 4.5, max_num_seqs=6, kv_cache_usage=0.95))  # the publisher's figure
+    assert b.limit("e", published=True) == 6
+    b.take("e", Snap(5, 1, 5.0, max_num_seqs=6, kv_cache_usage=0.95))  # the KV cache binds first
+    assert b.limit("e") == 5 and b.limit("e", published=True) is None
 
 
 def test_a_full_batch_with_none_waiting_is_probed_one_place_at_a_time() -> None:
@@ -134,16 +137,16 @@ def test_slot_wait_counts_the_requests_beyond_the_limit_over_the_turnover() -> N
     assert slot_wait(state, "b") == pytest.approx(1.5)  # three ahead of a place, it included
     assert slot_wait(state, "c") == 0.0  # no limit known
 
-    class OneQueue(IdleState):
-        """A limit only one snapshot's queue shows (fleet/batch.py: maybe a prefill burst)."""
+    class Learnt(IdleState):
+        """A limit learnt from queues, not published (fleet/batch.py: maybe a prefill burst, a
+        token budget under overload, or a full KV cache)."""
 
-        def batch(self, uid: str, sequences_only: bool = False) -> tuple[float, float | None, float | None]:
-            return 10.0, None if sequences_only else 8.0, 2.0
+        def batch(self, uid: str, published: bool = False) -> tuple[float, float | None, float | None]:
+            return 10.0, None if published else 8.0, 2.0
 
-    # Not charged as a batch wait (the prefill queue already counts such a burst; charged twice,
-    # the robustness grid went from 0.84x to 0.94x of the best peer), while admission keeps its
-    # places by it.
-    assert slot_wait(OneQueue(), "a") == 0.0
+    # Not charged as a batch wait (charged, the pressure grid's overload cells went from 1.5-1.8x
+    # to 8-18x of the best peer), while admission keeps its places by it.
+    assert slot_wait(Learnt(), "a") == 0.0
 
 
 def request(klass: str, model: str = "m") -> InferenceRequest:

@@ -58,7 +58,6 @@ class _Batch:
     turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
     cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
     published_cap: float | None = None  # the figure last published (a wrong one is not trusted again)
-    kv_bound: bool = False  # the limit was shown by a queue with the KV cache full
 
 
 class BatchLimits:
@@ -70,18 +69,18 @@ class BatchLimits:
     def __init__(self) -> None:
         self._seen: dict[str, _Batch] = {}
 
-    def limit(self, upstream_id: str, sequences_only: bool = False) -> float | None:
+    def limit(self, upstream_id: str, published: bool = False) -> float | None:
         """The confirmed limit, or the running count of the last snapshot if it queued (a cold
         fleet's engines fill within seconds of their first queue); None otherwise. With
-        `sequences_only`, only a count of sequences known for sure: published, or a batch the same
-        size two snapshots running while requests waited with KV to spare; not one snapshot's
-        queue (it may be a burst of prefills over the step's token budget) nor a limit a full KV
-        cache showed (a request sharing cached blocks may still fit there)."""
+        `published`, only the count of sequences the publisher gave (`max_num_seqs`) while it is the
+        limit: one learnt from queues may be a burst of prefills over the step's token budget, a
+        batch held at one size by a token budget under overload, or a full KV cache where a request
+        sharing cached blocks still fits."""
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
-        if sequences_only:
-            return None if seen.kv_bound else seen.limit
+        if published:
+            return seen.limit if seen.cap is not None and seen.limit == seen.cap else None
         return seen.limit if seen.limit is not None else seen.queued_at
 
     def turnover(self, upstream_id: str) -> float | None:
@@ -113,8 +112,6 @@ class BatchLimits:
             seen.published_cap = seen.cap = cap
             if cap is not None and (seen.limit is None or seen.limit > cap):
                 seen.limit, seen.probed_from = cap, None
-            if cap is not None and seen.limit == cap:
-                seen.kv_bound = False  # the published count of sequences
         if "num_running" not in load.unknown and "num_waiting" not in load.unknown:
             kv = load.kv_cache_usage if "kv_cache_usage" not in load.unknown else 0.0
             self._limit(seen, float(load.num_running), load.num_waiting, kv, load.published_at)
@@ -148,7 +145,6 @@ class BatchLimits:
                 seen.probed_from = None
             elif kv_usage >= KV_FULL or seen.queued_at == running:
                 seen.limit = running
-                seen.kv_bound = kv_usage >= KV_FULL
             seen.queued_at = running
             return
         seen.queued_at = None
