@@ -55,7 +55,7 @@ from extproc.openai import InferenceRequest, RequestError
 from extproc.openai.errors import shed
 from extproc.openai.parse import parse_slo_ms
 from extproc.scheduling import FleetState
-from extproc.scheduling.framework import PREDICTED_TTFT
+from extproc.scheduling.framework import PREDICTED_TTFT, prepared_figure
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
     OBJECTIVES_METADATA_KEY,
@@ -794,10 +794,6 @@ class Admission:
 
 
 def own_ttft(request: InferenceRequest, candidates: Sequence[Upstream]) -> list[float] | None:
-    """The request's own predicted TTFT on each candidate from its decision's prepared figures
-    (infinite where the producer sampled a large pool without it), or None when none were prepared
-    (the profile scheduling it has no producer of them)."""
-    figures = (request.prepared or {}).get(PREDICTED_TTFT)
-    if figures is None:
-        return None
-    return [figures.get(u.id, math.inf) for u in candidates]
+    """The request's own predicted TTFT on each candidate (prepared_figure), or None when the
+    profile scheduling it has no producer of it."""
+    return prepared_figure(request, PREDICTED_TTFT, candidates)

@@ -129,6 +129,17 @@ room, without the placement costs a scorer adds for other requests (what `slo-tt
 placement compare). A candidate without a figure (a large pool's unsampled one) counts as never."""
 
 
+def prepared_figure(
+    request: InferenceRequest, name: str, candidates: Sequence[Upstream]
+) -> list[float] | None:
+    """The decision's prepared figure `name` for each candidate (infinite for one the producer left
+    out: a large pool's unsampled candidate), or None when nothing produced it."""
+    figures = (request.prepared or {}).get(name)
+    if figures is None:
+        return None
+    return [figures.get(u.id, math.inf) for u in candidates]
+
+
 @runtime_checkable
 class Producer(Protocol):
     """A plugin that prepares figures for a request once per decision (the prepare stage, before

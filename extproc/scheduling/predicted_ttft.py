@@ -119,6 +119,7 @@ class _Prediction:
     # The decision's prepared figures the facts were written into (request.prepared); None: computed
     # outside a prepare stage, so good for one call only.
     store: dict[str, dict[str, float]] | None = None
+    prepared_for: Sequence[Upstream] = ()  # the candidates prepare() was given (score's usual set)
     best_matched: int = 0  # leading blocks held by the candidate holding the most of the prompt
 
 
@@ -291,6 +292,7 @@ class PredictedTtftScorer:
         with what it is made of, for score() and on_pick() of the same decision."""
         pred = self._predict(request)
         pred.store = request.prepared
+        pred.prepared_for = candidates
         pred.facts = {}
         self._add_facts(request, pred, candidates, state, sample=True)
         # The prefix demand a pick counts (copy_demand) is this set's longest match until a score
@@ -316,7 +318,7 @@ class PredictedTtftScorer:
             pred.store = None
             pred.facts = {}
             self._add_facts(request, pred, candidates, state, sample=True)
-        else:
+        elif candidates is not pred.prepared_for:  # the filters narrowed the set prepared
             facts = pred.facts
             # Prefill rates are compared within the candidates scored (capacity.py groups alike
             # GPUs among them): where the filters left a set whose grouping differs, the candidates

@@ -21,7 +21,6 @@ figure (idle, or no snapshot yet) counts as within. It does not narrow the candi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,7 +28,7 @@ from typing import ClassVar
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.openai.errors import slo_unattainable
-from extproc.scheduling.framework import FILTERS, PREDICTED_TTFT, FleetState
+from extproc.scheduling.framework import FILTERS, PREDICTED_TTFT, FleetState, prepared_figure
 from extproc.settings import DEFAULT_TPOT_WINDOW_S
 
 
@@ -51,10 +50,11 @@ class SloTtftFilter:
         self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState
     ) -> Sequence[Upstream]:
         slo_ms = request.ttft_slo_ms
-        figures = (request.prepared or {}).get(PREDICTED_TTFT)
-        if slo_ms is None or not candidates or figures is None:
+        if slo_ms is None or not candidates:
             return candidates
-        predicted = [figures.get(u.id, math.inf) for u in candidates]
+        predicted = prepared_figure(request, PREDICTED_TTFT, candidates)
+        if predicted is None:
+            return candidates
         limit = slo_ms / 1000.0 * self.margin
         kept = [u for u, p in zip(candidates, predicted, strict=True) if p <= limit]
         if not kept:
