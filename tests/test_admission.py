@@ -872,19 +872,17 @@ async def test_a_decision_predicts_each_candidate_once_for_admission_the_filter_
     """The prepare stage: a critical request with a TTFT objective, admission on, is read by
     admission's soonest rule, the slo-ttft filter and the scorer, from one prediction per candidate
     (each of them predicted it again before), and the figures are not kept past the decision."""
-    from extproc.scheduling.predicted_ttft import PredictedTtftScorer
+    from extproc.scheduling.ttft_predictor import TtftPredictor
 
     lc = lifecycle({}, scheduling={})  # the default profile: slo-ttft, predicted-ttft, ...
     computed: list[str] = []
-    add_facts = PredictedTtftScorer._add_facts
+    add_facts = TtftPredictor._add_facts
 
-    def counting(
-        self: PredictedTtftScorer, request: Any, pred: Any, candidates: Any, *a: Any, **k: Any
-    ) -> None:
+    def counting(self: TtftPredictor, request: Any, pred: Any, candidates: Any, *a: Any, **k: Any) -> None:
         computed.extend(u.id for u in candidates)
         add_facts(self, request, pred, candidates, *a, **k)
 
-    monkeypatch.setattr(PredictedTtftScorer, "_add_facts", counting)
+    monkeypatch.setattr(TtftPredictor, "_add_facts", counting)
     decision = await route(lc, "critical", slo="60000")
     assert sorted(computed) == ["a", "b"]  # once each
     assert decision.request.predicted_ttft_s is not None and decision.request.prepared is None

@@ -252,7 +252,9 @@ def test_the_cache_model_holds_the_engines_kv_in_the_services_tokens() -> None:
     lc.finish(lc.route(HEAD, _body("system prompt " * 50, 0)), "response_end")
     ratio = scorer.calibration.ratio("c0")
     assert ratio == pytest.approx(0.5, rel=0.1)
-    assert scorer._models["c0"].cache.capacity_blocks == int(1000 * 16 / ratio) // scorer.block_tokens
+    assert (
+        scorer.predictor._models["c0"].cache.capacity_blocks == int(1000 * 16 / ratio) // scorer.block_tokens
+    )
 
 
 def test_metrics_and_the_explain_header_show_the_calibration() -> None:

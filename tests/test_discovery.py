@@ -262,10 +262,12 @@ def per_upstream_state(lc: RequestLifecycle) -> dict[str, set[str]]:
     for profile in {id(p): p for p in (*lc.config.profiles.values(), lc.fallback)}.values():
         for plugin in [*profile.filters, *(s for s, _ in profile.scorers), profile.picker]:
             name = plugin_name(plugin)
+            parts = (plugin, getattr(plugin, "predictor", None))  # predicted-ttft's state is its predictor's
             for attr in ("_models", "_index", "_arms", "_slots", "_dropped", "_current"):
-                table = getattr(plugin, attr, None)
-                if isinstance(table, dict):
-                    held.setdefault(f"{name}.{attr}", set()).update(table)
+                for part in parts:
+                    table = getattr(part, attr, None)
+                    if isinstance(table, dict):
+                        held.setdefault(f"{name}.{attr}", set()).update(table)
             calibration = getattr(plugin, "calibration", None)
             if calibration is not None:
                 held.setdefault(f"{name}.calibration", set()).update(

@@ -551,7 +551,7 @@ async def test_live_index_fills_predicts_exactly_and_clears_on_restart(
             upstream = service.lifecycle.config.pool.candidates("m")[0]
             scorer.score(request(), [upstream], state)
             # The predicted uncached prefill is exactly what the engine would compute.
-            assert scorer._last.facts[uid].uncached == len(ids) - cached * scorer.block_tokens
+            assert scorer.predictor._last.facts[uid].uncached == len(ids) - cached * scorer.block_tokens
             assert set(hashes[:cached]) <= state.kv_blocks(uid).blocks  # type: ignore[union-attr]
             # Learnt from deltas, or from the full copy when the subscription started after them.
             assert any(
@@ -583,7 +583,7 @@ async def test_live_index_fills_predicts_exactly_and_clears_on_restart(
             await _until(lambda: complete(1))
             assert hashes[0] not in state.kv_blocks(uid).blocks  # type: ignore[union-attr]
             scorer.score(request(), [upstream], state)
-            assert scorer._last.facts[uid].uncached == len(ids)  # the old engine's blocks are gone
+            assert scorer.predictor._last.facts[uid].uncached == len(ids)  # the old engine's blocks are gone
             await chat(session)
             await _until(lambda: complete(cached))
 
@@ -638,7 +638,7 @@ def test_predicted_ttft_reads_the_engines_set_only_when_it_can_match_it() -> Non
         scorer = PredictedTtftScorer()
         req = InferenceRequest(Api.CHAT, "m", False, 4, "x" * 2600, token_ids, None, None, 0, 0)
         scorer.score(req, up, state)
-        return {uid: f.uncached for uid, f in scorer._last.facts.items()}
+        return {uid: f.uncached for uid, f in scorer.predictor._last.facts.items()}
 
     assert uncached(ids) == {up[0].id: len(ids), up[1].id: len(ids)}
     sets[up[0].id] = KvHeld(set(hashes[:6]))
@@ -652,9 +652,9 @@ def test_predicted_ttft_reads_the_engines_set_only_when_it_can_match_it() -> Non
     scorer.on_finish(req, up[1])
 
     def rescored() -> int:
-        scorer._last = type(scorer._last)()
+        scorer.predictor._last = type(scorer.predictor._last)()
         scorer.score(req, up, state)
-        return scorer._last.facts[up[1].id].uncached
+        return scorer.predictor._last.facts[up[1].id].uncached
 
     sets[up[1].id] = KvHeld(set())  # complete: the engine evicted it, whatever the model believes
     assert rescored() == len(ids)
@@ -681,7 +681,7 @@ def test_a_large_pool_pre_selects_the_holders_the_engines_report() -> None:
     req = InferenceRequest(Api.CHAT, "m", False, 4, "", ids, None, None, 0, 0)
     for seed in range(20):
         scorer = PredictedTtftScorer(max_evaluated=6)
-        scorer._rng.seed(seed)
+        scorer.predictor._rng.seed(seed)
         scores = dict(zip((u.id for u in ups), scorer.score(req, ups, state), strict=True))
         assert scores[holder] == 1.0, seed  # predicted, and the best: the whole prompt is cached there
         assert sum(1 for v in scores.values() if v > 0) == 6

@@ -107,7 +107,7 @@ def test_capacity_comes_from_snapshots_and_a_restart_resets_the_model() -> None:
     assert isinstance(scorer, PredictedTtftScorer)
     d = lc.route(HEAD, body(TENANTS["A"], 0))
     lc.finish(d, "response_end")
-    model = scorer._models["c0"]
+    model = scorer.predictor._models["c0"]
     assert model.cache.capacity_blocks == 200 * 16 // scorer.block_tokens  # 50 index blocks
     assert model.cache.used_blocks > 0
     # The engine goes through WARMING_UP (a restart): what the model learned is gone.
@@ -116,7 +116,9 @@ def test_capacity_comes_from_snapshots_and_a_restart_resets_the_model() -> None:
     view.rebuild()
     assert view.load("c0") is not None and view.load("c0").epoch == 2  # type: ignore[union-attr]
     lc.route(HEAD, body(TENANTS["B"], 0))
-    assert scorer._models["c0"].cache.matched(scorer._predict(_req(TENANTS["A"])).hashes) == 0
+    assert (
+        scorer.predictor._models["c0"].cache.matched(scorer.predictor.predict(_req(TENANTS["A"])).hashes) == 0
+    )
 
 
 def _req(system: str) -> InferenceRequest:
@@ -141,7 +143,7 @@ def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
         r = _req(TENANTS["ABCDE"[q]])
         scorer.score(r, [a], state)
         scorer.on_pick(r, a, state)
-    assert scorer._models["a"].busy_until - clock["t"] > 5
+    assert scorer.predictor._models["a"].busy_until - clock["t"] > 5
     # One second later the engine says nothing waits: only what was sent after its snapshot can.
     clock["t"] = 101.0
     view.apply(
@@ -149,7 +151,7 @@ def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
     )
     view.rebuild()
     scorer.score(_req(TENANTS["F"]), [a], state)
-    assert scorer._models["a"].busy_until <= 101.0
+    assert scorer.predictor._models["a"].busy_until <= 101.0
 
 
 def _mixed_fleet(
@@ -176,7 +178,7 @@ def _mixed_fleet(
 def _rates(lc: RequestLifecycle, view: FleetView, names: tuple[str, ...]) -> dict[str, float]:
     scorer = lc.config.profile.scorers[0][0]
     assert isinstance(scorer, PredictedTtftScorer)
-    return scorer._rates([Upstream(n, n, None, 1.0) for n in names], [view.load(n) for n in names])
+    return scorer.predictor._rates([Upstream(n, n, None, 1.0) for n in names], [view.load(n) for n in names])
 
 
 def test_measured_prefill_rates_split_work_by_gpu_speed() -> None:
@@ -354,7 +356,7 @@ def test_a_copy_is_discounted_only_for_a_prefix_that_later_requests_share() -> N
         idle engine beyond its own TTFT (its placement costs: a copy's here)."""
         request = req(ids)
         predicted = scorer._placed_costs(request, (busy, idle), state)
-        own = scorer._last.facts[idle.id].own
+        own = scorer.predictor._last.facts[idle.id].own
         scorer.on_pick(request, busy, state)
         return predicted[1] - own
 
@@ -387,32 +389,36 @@ def test_replicas_count_each_others_demand_for_a_prefix() -> None:
     busy = Upstream("busy", "busy", None, 1.0)
     state: Any = _CountsOnly({"busy": 6})
     a, b = PredictedTtftScorer(), PredictedTtftScorer()
-    a._outbox.take()  # replica sync on: picks are recorded for the others
+    a.predictor._outbox.take()  # replica sync on: picks are recorded for the others
     system = list(range(10_000, 10_000 + 64 * 20))
     for q in range(4):
         request = InferenceRequest(Api.CHAT, "m", False, 4, "", [*system, q, q], None, None, 0, 0)
         a._placed_costs(request, (busy,), state)
         a.on_pick(request, busy, state)
-    records = a._outbox.take()
+    records = a.predictor._outbox.take()
     assert [r[-1] for r in records] == [0, 20, 20, 20]  # the first found nothing held
     end = block_hashes(system, 64)[-1]
     b.apply_updates("a", records)
-    assert b._demand_at(end, NOW) == a._demand_at(end, NOW) == 3.0
+    assert b.predictor.demand_at(end, NOW) == a.predictor.demand_at(end, NOW) == 3.0
     old = PredictedTtftScorer()
     old.apply_updates("a", [r[:7] for r in records])
     assert (
-        old._demand_at(end, NOW) == 0.0 and old._models["busy"].cache.matched(block_hashes(system, 64)) == 20
+        old.predictor.demand_at(end, NOW) == 0.0
+        and old.predictor._models["busy"].cache.matched(block_hashes(system, 64)) == 20
     )
     # A held length that is not one (past the prompt, not an integer) counts nothing; the pick stands.
     odd = PredictedTtftScorer()
     odd.apply_updates("a", [[*r[:7], bad] for r, bad in zip(records, (21, "x", -1, 2.0), strict=True)])
-    assert not odd._demand and odd._models["busy"].cache.matched(block_hashes(system, 64)) == 20
+    assert (
+        not odd.predictor._demand
+        and odd.predictor._models["busy"].cache.matched(block_hashes(system, 64)) == 20
+    )
 
 
 def test_ranking_depth_probes_few_blocks_and_is_exact_for_a_prefix_cache() -> None:
     """A large pool's holders are ranked by `_leading` (doubling, then bisection): exact whenever the
     held blocks are a prefix, as an engine's prefix cache keeps them, in O(log n) probes."""
-    from extproc.scheduling.predicted_ttft import _leading
+    from extproc.scheduling.ttft_predictor import _leading
 
     for n in range(40):
         hashes = [bytes([i]) for i in range(n)]

@@ -107,7 +107,7 @@ def send(src: Replica, *dsts: Replica) -> None:
 
 
 def pinned(r: Replica) -> int:
-    return sum(m.cache.pinned_blocks for m in r.ttft()._models.values())
+    return sum(m.cache.pinned_blocks for m in r.ttft().predictor._models.values())
 
 
 # -- the message logic ------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_remote_in_flight_counts_and_pins_follow_the_origin_and_expire() -> None
     assert b.sync.expire() == ["a"]
     assert sum(b.lifecycle.state.count(c) for c in CLUSTERS) == 0
     assert pinned(b) == 0
-    assert sum(m.cache.used_blocks for m in b.ttft()._models.values()) > 0
+    assert sum(m.cache.used_blocks for m in b.ttft().predictor._models.values()) > 0
 
 
 def test_a_lost_message_releases_the_origins_pins() -> None:
@@ -300,7 +300,7 @@ def test_own_messages_are_ignored_and_nothing_is_recorded_without_a_consumer() -
     assert data is not None and not a.sync.incoming(data)
     assert sum(a.lifecycle.state.count(c) for c in CLUSTERS) == 1  # not counted twice
     lone = PredictedTtftScorer()
-    assert not lone._outbox.active  # no sync: on_pick records nothing, nothing grows
+    assert not lone.predictor._outbox.active  # no sync: on_pick records nothing, nothing grows
     assert MAX_OUTBOX > 0
 
 

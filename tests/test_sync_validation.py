@@ -20,8 +20,9 @@ from extproc.config import SyncSettings, config_from_dict
 from extproc.fleet import RemoteInFlight, Upstream
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai.parse import parse_head
-from extproc.scheduling.predicted_ttft import SENT_WINDOW_S, PredictedTtftScorer
+from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.scheduling.prefix import PrefixAffinityScorer
+from extproc.scheduling.ttft_predictor import SENT_WINDOW_S
 from extproc.server.sync import MAX_COUNT, ReplicaSync
 from extproc.settings import ConfigError, RedisSettings
 from extproc.telemetry import Metrics
@@ -170,7 +171,7 @@ def test_a_nan_time_in_a_record_does_not_stop_the_window_trim() -> None:
     old = now - SENT_WINDOW_S - 60  # past the window, still a believable record time
     records = [pick("c0", math.nan, serial=0), *(pick("c0", old, serial=i) for i in range(1, 1001))]
     assert b.sync.incoming(Forger()(updates={TTFT: records}))
-    model = b.ttft()._models["c0"]
+    model = b.ttft().predictor._models["c0"]
     b.backlog("c0")  # reads the queue: trims the window
     assert len(model.sent) == 0
     assert math.isfinite(model.busy_until)
@@ -206,7 +207,7 @@ def test_an_unknown_upstream_creates_no_state_and_no_metric_series() -> None:
     b.sync.sample()  # the per-upstream index gauge
     assert b.counted() == {"c0": 2, "c1": 0, "c2": 0, "c3": 0}
     assert b.remote.count("evil-0") == 0
-    assert set(b.ttft()._models) == {"c1"}
+    assert set(b.ttft().predictor._models) == {"c1"}
     assert set(b.prefix()._index) == {"c1"}
     assert b.upstream_labels() <= set(CLUSTERS)
     assert b.rejected("unknown_upstream") == 3
@@ -217,7 +218,7 @@ def test_an_unknown_upstream_creates_no_state_and_no_metric_series() -> None:
     state["p"][PREFIX]["evil-3"] = HASHES
     state["p"][TTFT] = {"evil-4": HASHES, "c3": HASHES}
     assert b.sync.load_state(msgpack.packb(state))
-    assert set(b.prefix()._index) == {"c1", "c2"} and set(b.ttft()._models) == {"c1", "c3"}
+    assert set(b.prefix()._index) == {"c1", "c2"} and set(b.ttft().predictor._models) == {"c1", "c3"}
     assert b.rejected("unknown_upstream") == 5
 
 
@@ -248,10 +249,10 @@ def test_without_a_known_pool_peers_add_at_most_max_upstreams_ids() -> None:
     for start in range(0, 10_000, 2_000):  # messages within max_message_bytes
         flood = [pick(f"evil-{i}", now, serial=i) for i in range(start, start + 2_000)]
         assert b.sync.incoming(forge(updates={TTFT: flood}))
-    assert len(b.ttft()._models) < 10_000
+    assert len(b.ttft().predictor._models) < 10_000
     from extproc.scheduling.sharing import MAX_UPSTREAMS
 
-    assert len(b.ttft()._models) == MAX_UPSTREAMS
+    assert len(b.ttft().predictor._models) == MAX_UPSTREAMS
     assert b.rejected("unknown_upstream") == 10_000 - MAX_UPSTREAMS
     assert not b.sync.incoming(forge({f"evil-{i}": 1 for i in range(MAX_UPSTREAMS + 1)}))
     assert b.rejected("too_many") == 1
@@ -334,7 +335,7 @@ def test_bad_records_are_skipped_one_by_one() -> None:
     assert b.sync.incoming(
         Forger()(updates={TTFT: records, PREFIX: [["c0"], ["c0", b"short"]], "nope:x": []})
     )
-    assert set(b.ttft()._models) == {"c2"}
+    assert set(b.ttft().predictor._models) == {"c2"}
     assert b.rejected("record") == 7 and b.rejected("time") == 1 and b.rejected("unknown_plugin") == 1
 
 
@@ -498,9 +499,9 @@ async def test_a_hostile_writer_on_every_key_and_the_channel_costs_no_request(
         assert set(b.remote._total) <= set(CLUSTERS)
         assert all(n <= MAX_COUNT * MAX_ORIGINS for n in b.remote._total.values())
         assert b.remote.count("c0") < 1_000_000
-        assert set(b.ttft()._models) <= set(CLUSTERS) and set(b.prefix()._index) <= set(CLUSTERS)
+        assert set(b.ttft().predictor._models) <= set(CLUSTERS) and set(b.prefix()._index) <= set(CLUSTERS)
         assert all(b.backlog(c) < 60 for c in CLUSTERS)
-        assert all(math.isfinite(m.busy_until) for m in b.ttft()._models.values())
+        assert all(math.isfinite(m.busy_until) for m in b.ttft().predictor._models.values())
         for reason in ("undecodable", "version", "time", "count", "unknown_upstream"):
             assert b.rejected(reason) > 0, reason
         # a's real decisions still arrive.

@@ -136,7 +136,7 @@ async def test_a_long_prompts_blocks_are_hashed_off_the_event_loop_and_used(
     long prompt the lifecycle does that on a worker thread before scheduling, and the scorer uses
     those hashes (here: it matches against them, not against hashes of its own)."""
     from extproc.lifecycle import router
-    from extproc.scheduling import predicted_ttft
+    from extproc.scheduling import ttft_predictor
     from extproc.tokenization import block_hashes
 
     lc = lifecycle(model_dir)
@@ -156,7 +156,7 @@ async def test_a_long_prompts_blocks_are_hashed_off_the_event_loop_and_used(
         scorer_hashed.append(block)
         return block_hashes(ids, block, most)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(predicted_ttft, "block_hashes", scorer_spy)
+    monkeypatch.setattr(ttft_predictor, "block_hashes", scorer_spy)
     big = "tokens for a long context window " * 6500  # ~210 KB, ~34k tokens
     await lc.route_async(HEAD, chat("llama", big))
     assert threads and threading.get_ident() not in threads

@@ -15,7 +15,7 @@ misattribution is also why a sample spans `span` (3) scrapes that saw prefills e
 one interval a long, mostly cached prompt whose hits were debited a scrape earlier reads as several
 times the GPU's rate (tests/test_prefill_rate.py builds such a case), and with few samples yet the
 quantile is that spike: one engine of an identical fleet would pass for a faster GPU and be flooded.
-Over three intervals the two halves cancel. `predicted-ttft` (scheduling/predicted_ttft.py) divides
+Over three intervals the two halves cancel. `predicted-ttft` (scheduling/ttft_predictor.py) divides
 uncached tokens by it: GPUs of different speeds in one pool get their share without a hand-set
 `capacity_weight`.
 

@@ -31,7 +31,7 @@ from typing import Any
 import orjson
 
 from extproc.openai.parse import parse_head, parse_request
-from extproc.scheduling.predicted_ttft import DEFAULT_PREFILL_TOKENS_PER_S
+from extproc.scheduling.ttft_predictor import DEFAULT_PREFILL_TOKENS_PER_S
 from extproc.settings import DEFAULT_PROFILE
 from extproc.tokenization import estimate_tokens
 from extproc_lab.bench.grid import (
