@@ -14,7 +14,7 @@ from extproc.fleet import Upstream
 from extproc.fleet.batch import PROBE_AFTER_S, BatchLimits
 from extproc.lifecycle.admission import Admission, Verdict
 from extproc.openai import InferenceRequest, RequestError
-from extproc.scheduling.predicted_ttft import slot_wait
+from extproc.scheduling.ttft_predictor import slot_wait
 from extproc.settings import Objective, admission_settings, objective_value
 
 
@@ -54,6 +54,24 @@ def test_the_limit_is_the_batch_seen_queueing_and_a_growing_batch_only_while_it_
     assert b.limit("e", published=True) == 6
     b.take("e", Snap(5, 1, 5.0, max_num_seqs=6, kv_cache_usage=0.95))  # the KV cache binds first
     assert b.limit("e") == 5 and b.limit("e", published=True) is None
+
+
+def test_a_queue_at_a_smaller_batch_than_one_already_run_is_no_sequence_cap() -> None:
+    """A cap is one number: a 256-sequence engine that ran 14 at once and is then seen queueing at 9
+    twice running (prefill bursts over the step's token budget) has no cap at 9. It counts only while
+    the queue is there; at the size it ran before, the same two snapshots confirm a cap."""
+    b = BatchLimits()
+    b.take("e", Snap(14, 0, 1.0))
+    b.take("e", Snap(9, 1, 1.5))
+    b.take("e", Snap(9, 1, 2.0))
+    assert b.limit("e") == 9  # while it queues
+    b.take("e", Snap(9, 0, 2.5))
+    assert b.limit("e") is None  # not a cap
+    b.take("e", Snap(14, 2, 3.0))
+    b.take("e", Snap(14, 2, 3.5))
+    assert b.limit("e") == 14
+    b.take("e", Snap(10, 0, 4.0))
+    assert b.limit("e") == 14  # confirmed: it stays
 
 
 def test_a_full_batch_with_none_waiting_is_probed_one_place_at_a_time() -> None:

@@ -54,6 +54,7 @@ class _Batch:
     probe_after: float = PROBE_AFTER_S  # how long full with none waiting before the next probe
     probed_from: float | None = None  # the confirmed limit before the probe now open
     queued_at: float | None = None  # running requests at the last snapshot, if it queued
+    most: float = 0.0  # the most requests seen running at once (since the engines started)
     first_tokens: float | None = None  # the engines' cumulative count at the last snapshot
     turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
     cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
@@ -131,11 +132,15 @@ class BatchLimits:
     @staticmethod
     def _limit(seen: _Batch, running: float, waiting: int, kv_usage: float, at: float) -> None:
         limit = seen.limit
+        most = seen.most
+        seen.most = max(most, running)
         if waiting > 0 and running > 0:
             # Queueing: a limit, confirmed when the KV cache is full or the batch stayed the same
-            # size while requests waited (a sequence cap) two snapshots running. Otherwise it may be
-            # a burst of prefills filling each step's token budget while the batch grows: used only
-            # while the queue is there (limit() reads `queued_at`).
+            # size while requests waited (a sequence cap) two snapshots running, at a size no smaller
+            # than any it ran before (a cap is one number: a 256-sequence engine seen queueing twice
+            # at 9 is a burst of prefills over each step's token budget; taken for a cap, admission
+            # held standard requests at half load). Otherwise used only while the queue is there
+            # (limit() reads `queued_at`).
             seen.full_since = None
             if seen.probed_from is not None and running <= seen.probed_from:
                 # The probe failed: back to the limit it started from, and the next one waits
@@ -143,7 +148,7 @@ class BatchLimits:
                 seen.limit = seen.probed_from
                 seen.probe_after = min(2.0 * seen.probe_after, PROBE_BACKOFF_MAX_S)
                 seen.probed_from = None
-            elif kv_usage >= KV_FULL or seen.queued_at == running:
+            elif kv_usage >= KV_FULL or (seen.queued_at == running and running >= most):
                 seen.limit = running
             seen.queued_at = running
             return
