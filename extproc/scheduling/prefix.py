@@ -22,7 +22,7 @@ from typing import Any
 from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.scheduling.framework import SCORERS, FleetState
-from extproc.scheduling.sharing import RESET, Outbox, PeerChecks, pack_hashes, unpack_hashes
+from extproc.scheduling.sharing import RESET, Outbox, PeerChecks, loaded_hashes, pack_hashes, unpack_hashes
 
 
 def prefix_hashes(text: str, block_chars: int, max_blocks: int) -> list[bytes]:
@@ -133,22 +133,12 @@ class PrefixAffinityScorer:
 
     def load(self, data: Any) -> None:
         """Another replica's index, checked as its records are (known upstreams, packed hashes)."""
-        peers = self._peers
-        if not isinstance(data, dict):
-            peers.reject("record")
-            return
-        if not peers.entries(len(data)):
-            return
-        for uid, blob in data.items():
-            hashes = unpack_hashes(blob)
-            if hashes is None:
-                peers.reject("record")
-            elif peers.upstream(uid) and hashes:
-                # Least recent first, as dumped; merged under what this replica learnt itself.
-                held = self._index.setdefault(uid, OrderedDict())
-                mine = list(held)
-                self._remember(uid, hashes[-self.capacity_blocks :])
-                self._remember(uid, mine)
+        for uid, hashes in loaded_hashes(data, self._peers):
+            # Least recent first, as dumped; merged under what this replica learnt itself.
+            held = self._index.setdefault(uid, OrderedDict())
+            mine = list(held)
+            self._remember(uid, hashes[-self.capacity_blocks :])
+            self._remember(uid, mine)
 
     def index_sizes(self) -> dict[str, int]:
         return {uid: len(held) for uid, held in self._index.items()}

@@ -9,7 +9,7 @@ see tokenization.hashing and prefix.prefix_hashes) travel as one concatenated `b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
@@ -140,3 +140,20 @@ class PeerChecked(Protocol):
     """A shared plugin that checks peers' records against a PeerChecks (server/sync.py binds it)."""
 
     def check_peers(self, checks: PeerChecks) -> None: ...
+
+
+def loaded_hashes(data: Any, peers: PeerChecks) -> Iterator[tuple[str, list[bytes]]]:
+    """A peer's dumped per-upstream hashes (a plugin's `dump()`), checked as its records are: a
+    mapping within the peers' entry bound, packed hashes, a known upstream; what fails is counted
+    and skipped."""
+    if not isinstance(data, dict):
+        peers.reject("record")
+        return
+    if not peers.entries(len(data)):
+        return
+    for uid, blob in data.items():
+        hashes = unpack_hashes(blob)
+        if hashes is None:
+            peers.reject("record")
+        elif peers.upstream(uid) and hashes:
+            yield uid, hashes

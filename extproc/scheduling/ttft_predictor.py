@@ -47,7 +47,7 @@ from extproc.scheduling.calibration import Calibration
 from extproc.scheduling.capacity import prefill_rates
 from extproc.scheduling.framework import PREDICTED_TTFT, FleetState
 from extproc.scheduling.prefix import prefix_hashes
-from extproc.scheduling.sharing import Outbox, PeerChecks, pack_hashes, unpack_hashes
+from extproc.scheduling.sharing import Outbox, PeerChecks, loaded_hashes, pack_hashes
 from extproc.scheduling.ttft_records import Finish, Pick, Reset, decode
 from extproc.tokenization import block_hashes, estimate_tokens
 
@@ -157,7 +157,7 @@ class TtftPredictor:
 
     # -- the request's blocks -----------------------------------------------------------------------
     def predict(self, request: InferenceRequest) -> Prediction:
-        """Hashed once per request: score() and on_pick() of the same decision share it."""
+        """Hashed once per request: prepare(), the scorer and on_pick() of the same decision share it."""
         last = self._last
         if last.request is request:
             return last
@@ -230,7 +230,7 @@ class TtftPredictor:
     def prepare(self, request: InferenceRequest, candidates: Sequence[Upstream], state: FleetState) -> None:
         """framework.Producer: this request's own predicted TTFT on each candidate (a large pool's
         sample of them: `_preselect`), written into `request.prepared["predicted-ttft"]` and kept,
-        with what it is made of, for score() and on_pick() of the same decision."""
+        with what it is made of, for the scorer and on_pick() of the same decision."""
         pred = self.predict(request)
         pred.store = request.prepared
         pred.prepared_for = candidates
@@ -605,19 +605,7 @@ class TtftPredictor:
     def load(self, data: Any) -> None:
         """Another replica's cache models, into the upstreams this one has learnt nothing about yet
         (checked as records are: known upstreams, packed hashes)."""
-        peers = self._peers
-        if not isinstance(data, dict):
-            peers.reject("record")
-            return
-        if not peers.entries(len(data)):
-            return
-        for uid, blob in data.items():
-            hashes = unpack_hashes(blob)
-            if hashes is None:
-                peers.reject("record")
-                continue
-            if not peers.upstream(uid) or not hashes:
-                continue
+        for uid, hashes in loaded_hashes(data, self._peers):
             cache = self._model(uid, None).cache
             if cache.used_blocks:
                 continue
