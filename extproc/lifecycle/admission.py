@@ -474,18 +474,17 @@ class Admission:
         headroom (admission counted the model's total headroom, so scheduling must not then pile onto
         a saturated favourite); critical ones anywhere; all of them when none has headroom.
 
-        The predicted prefill queue counts here only while the model is saturated (requests wait in
-        its queue), and even then it does not take a candidate away from a request that would wait
-        there no longer than where there is headroom (its own predicted TTFT, `own_ttft`: the queue
-        plus its uncached prefill). A move off its prefix holder turns a warm request into a cold
-        prefill, which is more work for the fleet just when it has none to spare: with the holder
-        taken away regardless, each admitted request would become a cold prefill that fills another
-        engine (notebook/benchmarks-history.md, "Priorities across fleets and workloads", which also
-        says where the rule costs). Below saturation the scheduler weighs every move itself: a cold
-        prefill sent elsewhere slows everything there, critical requests first
-        (notebook/benchmarks-history.md, "Priorities and SLOs"). The engines' own counts and caps
-        always restrict, and so does the TPOT gate while saturated (one more sequence there slows
-        every running one, however warm it is)."""
+        The predicted prefill queue counts here only while the model is saturated (requests wait in its
+        queue), and even then it does not take a candidate away from a request that would wait there no
+        longer than where there is headroom (its own predicted TTFT, the prepared `predicted-ttft` figure:
+        the queue plus its uncached prefill). A move off its prefix holder turns a warm request into a
+        cold prefill, which is more work for the fleet just when it has none to spare: with the holder
+        taken away regardless, each admitted request would become a cold prefill that fills another engine
+        (notebook/benchmarks-history.md, "Priorities across fleets and workloads", which also says where
+        the rule costs). Below saturation the scheduler weighs every move itself: a cold prefill sent
+        elsewhere slows everything there, critical requests first (notebook/benchmarks-history.md,
+        "Priorities and SLOs"). The engines' own counts and caps always restrict, and so does the TPOT
+        gate while saturated (one more sequence there slows every running one, however warm it is)."""
         klass = priority_class(request.priority)
         if not self.settings.enabled:
             return candidates
@@ -500,7 +499,7 @@ class Admission:
         with_room = [self.headroom(u, True, klass, share, model, route) > 0 for u in open_]
         if not any(with_room):
             return open_
-        ttft = own_ttft(request, open_)
+        ttft = prepared_figure(request, PREDICTED_TTFT, open_)
         if all(with_room) or ttft is None:
             return tuple(u for u, ok in zip(open_, with_room, strict=True) if ok)
         best = min(t for t, ok in zip(ttft, with_room, strict=True) if ok)
@@ -514,7 +513,7 @@ class Admission:
         """A critical request's candidates: those where its own predicted TTFT is within its
         objective, or else the soonest (the scorer's placement costs, which spare other requests'
         caches, do not outweigh a critical request's wait)."""
-        ttft = own_ttft(request, candidates) if len(candidates) > 1 else None
+        ttft = prepared_figure(request, PREDICTED_TTFT, candidates) if len(candidates) > 1 else None
         if ttft is None:
             return candidates
         best = min(ttft)
@@ -791,9 +790,3 @@ class Admission:
         m = self.metrics
         if m is not None:
             m.admission_wait.labels(outcome=outcome).observe(max(0.0, self.clock() - waiter.since))
-
-
-def own_ttft(request: InferenceRequest, candidates: Sequence[Upstream]) -> list[float] | None:
-    """The request's own predicted TTFT on each candidate (prepared_figure), or None when the
-    profile scheduling it has no producer of it."""
-    return prepared_figure(request, PREDICTED_TTFT, candidates)

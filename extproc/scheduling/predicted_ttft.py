@@ -170,14 +170,13 @@ class PredictedTtftScorer:
             discount *= min(1.0, predictor.demand_at(pred.hashes[best_matched - 1], now) / self.copy_demand)
         # The least busy of the candidates holding the most of this prompt: what a copy would relieve.
         holder_running = min(f.running for f in known if f.matched == best_matched)
-        ratio = predictor.calibration.ratio
         predicted: list[float] = []
-        for u, f in zip(candidates, facts, strict=True):
+        for f in facts:
             if f is None:
                 predicted.append(math.inf)
                 continue
-            rate = f.rate / ratio(u.id)
-            ttft = f.own + self.evict_weight * f.evicted * bt / f.own_rate
+            rate = f.own_rate  # what the prediction used (this service's tokens per second)
+            ttft = f.own + self.evict_weight * f.evicted * bt / rate
             m = f.matched
             if best_matched > m:
                 # A copy of a prefix another candidate holds costs only where the cache has no room
