@@ -100,7 +100,9 @@ class IdleState:
     def pending(self, uid: str) -> int:
         return 0
 
-    def batch(self, uid: str, published: bool = False) -> tuple[float, float | None, float | None]:
+    def batch(
+        self, uid: str, published: bool = False, cap: bool = False
+    ) -> tuple[float, float | None, float | None]:
         return self.batches.get(uid, (0.0, None, None))
 
     def now(self) -> float:

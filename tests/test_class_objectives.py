@@ -74,6 +74,66 @@ def test_a_queue_at_a_smaller_batch_than_one_already_run_is_no_sequence_cap() ->
     assert b.limit("e") == 14  # confirmed: it stays
 
 
+def test_a_sequence_cap_is_a_queue_at_one_size_three_snapshots_running_never_exceeded_since() -> None:
+    """A 256-sequence engine bound by its KV cache or its token budget queues at sizes that move
+    with the prompts placed there; a sequence cap queues at one. Only the latter is a cap
+    (`cap=True`, what placement keeps places by)."""
+    b = BatchLimits()
+    b.take("e", Snap(9, 1, 0.5, kv_cache_usage=0.95))  # the KV cache full at 9
+    assert b.limit("e") == 9 and b.limit("e", cap=True) is None
+    b.take("e", Snap(9, 2, 1.0))
+    assert b.limit("e", cap=True) is None  # two queues in a row at 9: a limit, not yet a cap
+    b.take("e", Snap(11, 2, 1.5, kv_cache_usage=0.95))
+    b.take("e", Snap(9, 1, 2.0))
+    b.take("e", Snap(9, 1, 2.5))
+    assert b.limit("e", cap=True) is None  # the size moved: two again
+    b.take("e", Snap(11, 1, 3.0))
+    b.take("e", Snap(11, 1, 3.5))
+    b.take("e", Snap(11, 1, 4.0))
+    assert b.limit("e", cap=True) == 11  # three at the most it ran: a cap
+    b.take("e", Snap(8, 0, 4.5))  # below it, none waiting: still one
+    assert b.limit("e", cap=True) == 11
+    b.take("e", Snap(12, 0, 5.0))  # it ran more at once: it was not
+    assert b.limit("e") == 12 and b.limit("e", cap=True) is None
+    b.take("e", Snap(0, 0, 5.5, max_num_seqs=12))  # the publisher's figure is one
+    assert b.limit("e", cap=True) == 12
+
+
+def test_a_steady_queue_below_a_batch_already_run_is_no_cap() -> None:
+    b = BatchLimits()
+    b.take("e", Snap(14, 0, 1.0))
+    for t in (1.5, 2.0, 2.5, 3.0):
+        b.take("e", Snap(9, 1, t))  # a token budget holding the batch at 9 under overload
+    assert b.limit("e") == 9 and b.limit("e", cap=True) is None
+
+
+def test_placement_keeps_places_only_by_a_cap_while_admission_counts_every_limit() -> None:
+    """Standard requests kept off an engine whose learnt limit is its KV cache's went to engines
+    without their prefix, whose caches then filled at fewer sequences: the limits fell with each
+    move (the priorities grid at 120 %: 0.5x of admission off). The count admitted still keeps
+    places by every limit."""
+
+    class Learnt(IdleState):
+        def batch(
+            self, uid: str, published: bool = False, cap: bool = False
+        ) -> tuple[float, float | None, float | None]:
+            occupancy, limit, turnover = self.batches[uid]
+            return occupancy, None if cap and uid == "kv" else limit, turnover
+
+    ups = (Upstream("kv", "kv", None, 1.0), Upstream("seq", "seq", None, 1.0))
+    batches = {"kv": (8.0, 8.0, 1.0), "seq": (8.0, 8.0, 1.0)}
+    adm = Admission(
+        admission_settings({"enabled": True}),
+        lambda model: ups,
+        Learnt(batches),  # type: ignore[arg-type]
+        prefill=FixedBacklog(lambda u: (0.0, 0.1)),
+    )
+    assert adm.decide(request("standard")) is Verdict.QUEUE  # no room by either limit
+    assert adm.placeable(request("standard"), ups) == (ups[0],)  # placed by the cap only
+    batches["kv"] = (5.0, 8.0, 1.0)
+    assert adm.decide(request("standard")) is Verdict.ADMIT
+
+
 def test_a_full_batch_with_none_waiting_is_probed_one_place_at_a_time() -> None:
     b = BatchLimits()
     b.take("e", Snap(4, 1, 0.0, kv_cache_usage=1.0))
@@ -159,7 +219,9 @@ def test_slot_wait_counts_the_requests_beyond_the_limit_over_the_turnover() -> N
         """A limit learnt from queues, not published (fleet/batch.py: maybe a prefill burst, a
         token budget under overload, or a full KV cache)."""
 
-        def batch(self, uid: str, published: bool = False) -> tuple[float, float | None, float | None]:
+        def batch(
+            self, uid: str, published: bool = False, cap: bool = False
+        ) -> tuple[float, float | None, float | None]:
             return 10.0, None if published else 8.0, 2.0
 
     # Not charged as a batch wait (charged, the pressure grid's overload cells went from 1.5-1.8x
@@ -369,10 +431,10 @@ def test_past_capacity_the_classes_separate_and_goodput_holds_in_the_des() -> No
     assert checks["loads"]["2"]["critical_shed"] == 0 and checks["loads"]["2"]["sheddable_first"]
     assert checks["loads"]["2"]["goodput"] > checks["loads"]["2"]["best_peer_goodput"]
     configured = class_checks(loads, CONFIGURED)["loads"]["2"]
-    # (a 300-request run: its p99 is the third-slowest of ~60 critical requests; x7.9 learnt, x1.6
+    # (a 300-request run: its p99 is the third-slowest of ~60 critical requests; x3.8 learnt, x1.6
     # with the limit published, on this seed)
     learnt = checks["loads"]["2"]["critical_p99_ratio"]
-    assert configured["critical_p99_ratio"] < min(2.0, 0.4 * learnt), (configured, learnt)
+    assert configured["critical_p99_ratio"] < min(2.0, 0.5 * learnt), (configured, learnt)
     assert configured["critical_shed"] == 0
     result = {
         "config": {"count": 300, "seed": 0, "slo_ttft_s": 2.0, "admission": cfg.admission},

@@ -49,7 +49,9 @@ class State:
     def pending(self, upstream_id: str) -> int:
         return self.counts[upstream_id]
 
-    def batch(self, upstream_id: str, published: bool = False) -> tuple[float, float | None, float | None]:
+    def batch(
+        self, upstream_id: str, published: bool = False, cap: bool = False
+    ) -> tuple[float, float | None, float | None]:
         return 0.0, None, None  # no batch limit known
 
     def now(self) -> float:

@@ -68,7 +68,9 @@ class FakeState:
     def pending(self, upstream_id: str) -> int:
         return self.pendings.get(upstream_id, 0)
 
-    def batch(self, upstream_id: str, published: bool = False) -> tuple[float, float | None, float | None]:
+    def batch(
+        self, upstream_id: str, published: bool = False, cap: bool = False
+    ) -> tuple[float, float | None, float | None]:
         return 0.0, None, None  # no batch limit known
 
 

@@ -328,7 +328,9 @@ class _CountsOnly:
     def pending(self, upstream_id: str) -> int:
         return 0
 
-    def batch(self, upstream_id: str, published: bool = False) -> tuple[float, float | None, float | None]:
+    def batch(
+        self, upstream_id: str, published: bool = False, cap: bool = False
+    ) -> tuple[float, float | None, float | None]:
         return 0.0, None, None  # no batch limit known
 
     def kv_blocks(self, upstream_id: str) -> None:

@@ -20,6 +20,7 @@ from typing import Protocol
 TURNOVER_WINDOW_S = 10.0  # the turnover's smoothing (snapshot time)
 KV_FULL = 0.9  # KV-cache usage at which a queue is the cache's limit
 PROBE_AFTER_S = 3.0  # full with none waiting this long: one more place is tried
+STEADY_QUEUES = 3  # queueing snapshots in a row at one batch size that show a sequence cap
 PROBE_BACKOFF_MAX_S = 48.0  # a probe that failed (a queue at the old limit) doubles the wait to this
 MAX_TRACKED_UPSTREAMS = 4096
 
@@ -55,6 +56,9 @@ class _Batch:
     probed_from: float | None = None  # the confirmed limit before the probe now open
     queued_at: float | None = None  # running requests at the last snapshot, if it queued
     most: float = 0.0  # the most requests seen running at once (since the engines started)
+    queue_size: float | None = None  # running requests at the last snapshot that queued (any episode)
+    queue_runs: int = 0  # snapshots in a row, of those that queued, at `queue_size`
+    steady: float | None = None  # a sequence cap: STEADY_QUEUES queues at this size, never exceeded since
     first_tokens: float | None = None  # the engines' cumulative count at the last snapshot
     turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
     cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
@@ -70,18 +74,22 @@ class BatchLimits:
     def __init__(self) -> None:
         self._seen: dict[str, _Batch] = {}
 
-    def limit(self, upstream_id: str, published: bool = False) -> float | None:
+    def limit(self, upstream_id: str, published: bool = False, cap: bool = False) -> float | None:
         """The confirmed limit, or the running count of the last snapshot if it queued (a cold
         fleet's engines fill within seconds of their first queue); None otherwise. With
         `published`, only the count of sequences the publisher gave (`max_num_seqs`) while it is the
         limit: one learnt from queues may be a burst of prefills over the step's token budget, a
         batch held at one size by a token budget under overload, or a full KV cache where a request
-        sharing cached blocks still fits."""
+        sharing cached blocks still fits. With `cap`, the limit only while it is a sequence cap:
+        published, or `STEADY_QUEUES` queueing snapshots in a row at one size no smaller than any
+        run before, and never exceeded since (a KV cache or a token budget queues at a size that
+        moves with the prompts placed there)."""
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
-        if published:
-            return seen.limit if seen.cap is not None and seen.limit == seen.cap else None
+        is_published = seen.cap is not None and seen.limit == seen.cap
+        if published or (cap and seen.steady is None and not is_published):
+            return seen.limit if is_published else None
         return seen.limit if seen.limit is not None else seen.queued_at
 
     def turnover(self, upstream_id: str) -> float | None:
@@ -134,6 +142,13 @@ class BatchLimits:
         limit = seen.limit
         most = seen.most
         seen.most = max(most, running)
+        if waiting > 0 and running > 0:
+            seen.queue_runs = seen.queue_runs + 1 if running == seen.queue_size else 1
+            seen.queue_size = running
+            if seen.queue_runs >= STEADY_QUEUES and running >= most:
+                seen.steady = running
+        elif seen.steady is not None and running > seen.steady:
+            seen.steady = None  # it ran more: the queues were not a cap
         if waiting > 0 and running > 0:
             # Queueing: a limit, confirmed when the KV cache is full or the batch stayed the same
             # size while requests waited (a sequence cap) two snapshots running, at a size no smaller

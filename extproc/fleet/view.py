@@ -506,7 +506,9 @@ class SchedulingState:
     def smoothed_running(self, upstream_id: str, window_s: float) -> float | None:
         return self.view.smoothed_running(upstream_id, window_s) if self.view is not None else None
 
-    def batch(self, upstream_id: str, published: bool = False) -> tuple[float, float | None, float | None]:
+    def batch(
+        self, upstream_id: str, published: bool = False, cap: bool = False
+    ) -> tuple[float, float | None, float | None]:
         view = self.view
         if view is None:
             return float(self.count(upstream_id)), None, None
@@ -517,7 +519,7 @@ class SchedulingState:
         else:
             occupancy = float(max(own, load.num_running + load.num_waiting + own - load.own_at_snapshot))
         batches = view.batches
-        return occupancy, batches.limit(upstream_id, published), batches.turnover(upstream_id)
+        return occupancy, batches.limit(upstream_id, published, cap), batches.turnover(upstream_id)
 
     def pending(self, upstream_id: str) -> int:
         """Requests the engines' figures do not include yet: how far the in-flight count there (this

@@ -393,15 +393,17 @@ class Admission:
         critical_share: float = 0.0,
         model: str | None = None,
         route: RouteObjectives = (),
+        caps_only: bool = False,
     ) -> float:
         """Requests of `klass` that `u` can take while a request of each higher class sent after
         them would still meet its objective there (the module docstring's "Class objectives"):
-        unbounded for critical requests and while `u`'s batch limit is unknown. `critical_share`:
-        critical requests per second expected to arrive at `u`; the objectives are the model's, with
-        `route`'s (a route's `x-llm-objectives`) in their place."""
+        unbounded for critical requests and while `u`'s batch limit is unknown (with `caps_only`,
+        while it is not a sequence cap: fleet/batch.py). `critical_share`: critical requests per
+        second expected to arrive at `u`; the objectives are the model's, with `route`'s (a route's
+        `x-llm-objectives`) in their place."""
         if klass is PriorityClass.CRITICAL:
             return math.inf
-        occupancy, limit, turnover = self.state.batch(u.id)
+        occupancy, limit, turnover = self.state.batch(u.id, cap=caps_only)
         if limit is None:
             return math.inf
         unloaded = self._backlog(u)[1]
@@ -434,16 +436,17 @@ class Admission:
         critical_share: float = 0.0,
         model: str | None = None,
         route: RouteObjectives = (),
+        caps_only: bool = False,
     ) -> float:
         """Requests `u` can still take before it counts as saturated (<= 0: none); without the
         predicted prefill queue when `predicted` is false (the engines' own counts and caps only);
-        for a request of `klass`, within what class_room() leaves it."""
+        for a request of `klass`, within what class_room() leaves it (`caps_only`: as there)."""
         s = self.settings
         state = self.state
         w = u.weight
         free = s.max_inflight_per_weight * w - state.count(u.id)
         if klass is not None:
-            free = min(free, self.class_room(u, klass, critical_share, model, route))
+            free = min(free, self.class_room(u, klass, critical_share, model, route, caps_only))
         load = state.load(u.id)
         if load is not None:
             waiting = load.num_waiting + state.pending(u.id)
@@ -492,11 +495,11 @@ class Admission:
             return self._soonest(request, candidates)
         share = self.critical_rate(request.model) / max(1, len(candidates))
         model, route = request.model, request.route_objectives
-        open_ = tuple(u for u in candidates if self.headroom(u, False, klass, share, model, route) > 0)
+        open_ = tuple(u for u in candidates if self.headroom(u, False, klass, share, model, route, True) > 0)
         open_ = open_ or candidates
         if request.model is None or self.queue_length(request.model) == 0:  # not saturated
             return open_
-        with_room = [self.headroom(u, True, klass, share, model, route) > 0 for u in open_]
+        with_room = [self.headroom(u, True, klass, share, model, route, True) > 0 for u in open_]
         if not any(with_room):
             return open_
         ttft = prepared_figure(request, PREDICTED_TTFT, open_)

@@ -42,13 +42,16 @@ class FleetState(Protocol):
         """Requests sent there that the last snapshot does not include yet."""
         ...
 
-    def batch(self, upstream_id: str, published: bool = False) -> tuple[float, float | None, float | None]:
+    def batch(
+        self, upstream_id: str, published: bool = False, cap: bool = False
+    ) -> tuple[float, float | None, float | None]:
         """(requests there now: the engines' running and waiting plus what was sent since, or this
         process's in-flight count where larger; the batch it runs before queueing; requests per
         second that get their first token there). The last two are None while unknown
         (fleet/batch.py): the engines never queued, or publish no first-token counter. With
         `published`, the limit only where it is the publisher's `max_num_seqs` (BatchLimits.limit):
-        what a request waits for whatever its prompt."""
+        what a request waits for whatever its prompt; with `cap`, also where the engines showed a
+        steady sequence cap."""
         ...
 
     def kv_blocks(self, upstream_id: str) -> KvHeld | None:

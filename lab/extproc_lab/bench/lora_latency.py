@@ -59,7 +59,9 @@ class ModelState:
         own = self.counts[upstream_id]
         return own if load is None else max(0, own - load.own_at_snapshot)
 
-    def batch(self, upstream_id: str, published: bool = False) -> tuple[float, float | None, float | None]:
+    def batch(
+        self, upstream_id: str, published: bool = False, cap: bool = False
+    ) -> tuple[float, float | None, float | None]:
         return 0.0, None, None  # no batch limit known
 
     def kv_blocks(self, upstream_id: str) -> KvHeld | None:
