@@ -74,29 +74,30 @@ def test_a_queue_at_a_smaller_batch_than_one_already_run_is_no_sequence_cap() ->
     assert b.limit("e") == 14  # confirmed: it stays
 
 
-def test_a_sequence_cap_is_a_queue_at_one_size_three_snapshots_running_never_exceeded_since() -> None:
+def test_a_sequence_cap_is_a_queue_at_one_size_two_snapshots_running_never_exceeded_since() -> None:
     """A 256-sequence engine bound by its KV cache or its token budget queues at sizes that move
-    with the prompts placed there; a sequence cap queues at one. Only the latter is a cap
-    (`cap=True`, what placement keeps places by)."""
+    with the prompts placed there; a sequence cap queues at one, the most the engine runs. Only the
+    latter is a cap (`cap=True`, what placement keeps places by), and a queue at the most it ever
+    ran while that queue lasts (a cold fleet's first)."""
     b = BatchLimits()
+    b.take("e", Snap(12, 0, 0.2))  # it ran 12 at once
     b.take("e", Snap(9, 1, 0.5, kv_cache_usage=0.95))  # the KV cache full at 9
     assert b.limit("e") == 9 and b.limit("e", cap=True) is None
-    b.take("e", Snap(9, 2, 1.0))
-    assert b.limit("e", cap=True) is None  # two queues in a row at 9: a limit, not yet a cap
-    b.take("e", Snap(11, 2, 1.5, kv_cache_usage=0.95))
-    b.take("e", Snap(9, 1, 2.0))
-    b.take("e", Snap(9, 1, 2.5))
-    assert b.limit("e", cap=True) is None  # the size moved: two again
-    b.take("e", Snap(11, 1, 3.0))
-    b.take("e", Snap(11, 1, 3.5))
-    b.take("e", Snap(11, 1, 4.0))
-    assert b.limit("e", cap=True) == 11  # three at the most it ran: a cap
-    b.take("e", Snap(8, 0, 4.5))  # below it, none waiting: still one
-    assert b.limit("e", cap=True) == 11
-    b.take("e", Snap(12, 0, 5.0))  # it ran more at once: it was not
-    assert b.limit("e") == 12 and b.limit("e", cap=True) is None
-    b.take("e", Snap(0, 0, 5.5, max_num_seqs=12))  # the publisher's figure is one
+    b.take("e", Snap(10, 2, 1.0, kv_cache_usage=0.95))
+    assert b.limit("e") == 10 and b.limit("e", cap=True) is None  # below the most it ran
+    b.take("e", Snap(12, 2, 1.5))
+    assert b.limit("e", cap=True) == 12  # a queue now at the most it ran: while it lasts
+    b.take("e", Snap(11, 0, 2.0))
+    assert b.limit("e", cap=True) is None  # it was one snapshot
+    b.take("e", Snap(12, 1, 2.5))
+    b.take("e", Snap(12, 1, 3.0))
+    assert b.limit("e", cap=True) == 12  # two in a row at the most it ran: a cap
+    b.take("e", Snap(8, 0, 3.5))  # below it, none waiting: still one
     assert b.limit("e", cap=True) == 12
+    b.take("e", Snap(13, 0, 4.0))  # it ran more at once: it was not
+    assert b.limit("e") == 13 and b.limit("e", cap=True) is None
+    b.take("e", Snap(0, 0, 4.5, max_num_seqs=13))  # the publisher's figure is one
+    assert b.limit("e", cap=True) == 13
 
 
 def test_a_steady_queue_below_a_batch_already_run_is_no_cap() -> None:
@@ -431,10 +432,10 @@ def test_past_capacity_the_classes_separate_and_goodput_holds_in_the_des() -> No
     assert checks["loads"]["2"]["critical_shed"] == 0 and checks["loads"]["2"]["sheddable_first"]
     assert checks["loads"]["2"]["goodput"] > checks["loads"]["2"]["best_peer_goodput"]
     configured = class_checks(loads, CONFIGURED)["loads"]["2"]
-    # (a 300-request run: its p99 is the third-slowest of ~60 critical requests; x3.8 learnt, x1.6
+    # (a 300-request run: its p99 is the third-slowest of ~60 critical requests; x10 learnt, x1.6
     # with the limit published, on this seed)
     learnt = checks["loads"]["2"]["critical_p99_ratio"]
-    assert configured["critical_p99_ratio"] < min(2.0, 0.5 * learnt), (configured, learnt)
+    assert configured["critical_p99_ratio"] < min(2.0, 0.4 * learnt), (configured, learnt)
     assert configured["critical_shed"] == 0
     result = {
         "config": {"count": 300, "seed": 0, "slo_ttft_s": 2.0, "admission": cfg.admission},

@@ -20,7 +20,7 @@ from typing import Protocol
 TURNOVER_WINDOW_S = 10.0  # the turnover's smoothing (snapshot time)
 KV_FULL = 0.9  # KV-cache usage at which a queue is the cache's limit
 PROBE_AFTER_S = 3.0  # full with none waiting this long: one more place is tried
-STEADY_QUEUES = 3  # queueing snapshots in a row at one batch size that show a sequence cap
+STEADY_QUEUES = 2  # queueing snapshots in a row at one batch size that show a sequence cap
 PROBE_BACKOFF_MAX_S = 48.0  # a probe that failed (a queue at the old limit) doubles the wait to this
 MAX_TRACKED_UPSTREAMS = 4096
 
@@ -82,14 +82,17 @@ class BatchLimits:
         batch held at one size by a token budget under overload, or a full KV cache where a request
         sharing cached blocks still fits. With `cap`, the limit only while it is a sequence cap:
         published, or `STEADY_QUEUES` queueing snapshots in a row at one size no smaller than any
-        run before, and never exceeded since (a KV cache or a token budget queues at a size that
-        moves with the prompts placed there)."""
+        run before and never exceeded since, or a queue now at the most it ever ran (a full KV
+        cache or a token budget queues at sizes that move with the prompts placed there)."""
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
         is_published = seen.cap is not None and seen.limit == seen.cap
-        if published or (cap and seen.steady is None and not is_published):
+        if published:
             return seen.limit if is_published else None
+        if cap and seen.steady is None and not is_published:
+            queued = seen.queued_at  # a queue now at the most it ever ran is one
+            return queued if queued is not None and queued >= seen.most else None
         return seen.limit if seen.limit is not None else seen.queued_at
 
     def turnover(self, upstream_id: str) -> float | None:

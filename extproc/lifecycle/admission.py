@@ -29,7 +29,11 @@ would still get a place in the batch within critical's objective (one place kept
 requests arrive faster than places free), and within standard's own; a sheddable request keeps one
 more place for each higher class. Critical requests go where their own predicted TTFT is within
 their objective of the soonest candidate. Engines serving first come, first served cannot separate
-the classes once requests wait there; this keeps them from waiting there.
+the classes once requests wait there; this keeps them from waiting there. Admission counts places
+by every limit; placement keeps them only where the limit is a sequence cap (published, or shown
+steady: `BatchLimits.limit(cap=True)`). A limit learnt from a full KV cache or a token budget moves
+with the prompts placed there: kept by it, standard requests left their prefix holders for engines
+whose caches then filled at fewer sequences, and the limits fell with each move.
 
 A new arrival never overtakes the queue: while a model's queue is not empty, standard arrivals
 queue behind it and sheddable ones are shed. The queue is event-loop safe (asyncio futures, no
@@ -487,7 +491,8 @@ class Admission:
         the rule costs). Below saturation the scheduler weighs every move itself: a cold prefill sent
         elsewhere slows everything there, critical requests first (notebook/benchmarks-history.md,
         "Priorities and SLOs"). The engines' own counts and caps always restrict, and so does the TPOT
-        gate while saturated (one more sequence there slows every running one, however warm it is)."""
+        gate while saturated (one more sequence there slows every running one, however warm it is).
+        The places kept for higher classes restrict only by sequence caps (the module docstring)."""
         klass = priority_class(request.priority)
         if not self.settings.enabled:
             return candidates
