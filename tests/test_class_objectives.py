@@ -74,7 +74,7 @@ def test_a_queue_at_a_smaller_batch_than_one_already_run_is_no_sequence_cap() ->
     assert b.limit("e") == 14  # confirmed: it stays
 
 
-def test_a_sequence_cap_is_a_queue_at_one_size_two_snapshots_running_never_exceeded_since() -> None:
+def test_a_sequence_cap_is_a_queue_at_the_most_run_two_snapshots_running_until_a_larger_batch_runs() -> None:
     """A 256-sequence engine bound by its KV cache or its token budget queues at sizes that move
     with the prompts placed there; a sequence cap queues at one, the most the engine runs. Only the
     latter is a cap (`cap=True`, what placement keeps places by), and a queue at the most it ever

@@ -8,7 +8,9 @@ taken at the limit, so its running count is the limit for that mix of prompts. T
 rate at which requests reach their first token (the engines' counter), the rate at which waiting
 requests get a place once the batch is full. Where the publisher says how many requests the engines
 run at once (`max_num_seqs`), that is the limit from the first snapshot on (a cold fleet fills its
-batches within seconds, before any queue shows them), lowered where the KV cache fills first."""
+batches within seconds, before any queue shows them), lowered where the KV cache fills first. A
+limit is a sequence cap (`limit(cap=True)`) only where it does not move with the prompts: published,
+or queues at one size that is the most the engines ever ran."""
 
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ class _Batch:
     most: float = 0.0  # the most requests seen running at once (since the engines started)
     queue_size: float | None = None  # running requests at the last snapshot that queued (any episode)
     queue_runs: int = 0  # snapshots in a row, of those that queued, at `queue_size`
-    steady: float | None = None  # a sequence cap: STEADY_QUEUES queues at this size, never exceeded since
+    steady: float | None = None  # a sequence cap: STEADY_QUEUES queues at this size; cleared by a larger
+    # batch with none waiting (a larger one that queues becomes the cap after STEADY_QUEUES of its own)
     first_tokens: float | None = None  # the engines' cumulative count at the last snapshot
     turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
     cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
@@ -82,8 +85,9 @@ class BatchLimits:
         batch held at one size by a token budget under overload, or a full KV cache where a request
         sharing cached blocks still fits. With `cap`, the limit only while it is a sequence cap:
         published, or `STEADY_QUEUES` queueing snapshots in a row at one size no smaller than any
-        run before and never exceeded since, or a queue now at the most it ever ran (a full KV
-        cache or a token budget queues at sizes that move with the prompts placed there)."""
+        run before and not run past since with none waiting, or a queue now at the most it ever ran
+        (a full KV cache or a token budget queues at sizes that move with the prompts placed there:
+        placement that keeps places by those moves requests off their prefix holders)."""
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
