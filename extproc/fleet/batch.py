@@ -150,13 +150,6 @@ class BatchLimits:
         most = seen.most
         seen.most = max(most, running)
         if waiting > 0 and running > 0:
-            seen.queue_runs = seen.queue_runs + 1 if running == seen.queue_size else 1
-            seen.queue_size = running
-            if seen.queue_runs >= STEADY_QUEUES and running >= most:
-                seen.steady = running
-        elif seen.steady is not None and running > seen.steady:
-            seen.steady = None  # it ran more: the queues were not a cap
-        if waiting > 0 and running > 0:
             # Queueing: a limit, confirmed when the KV cache is full or the batch stayed the same
             # size while requests waited (a sequence cap) two snapshots running, at a size no smaller
             # than any it ran before (a cap is one number: a 256-sequence engine seen queueing twice
@@ -173,8 +166,15 @@ class BatchLimits:
             elif kv_usage >= KV_FULL or (seen.queued_at == running and running >= most):
                 seen.limit = running
             seen.queued_at = running
+            # A sequence cap (limit(cap=True)): STEADY_QUEUES queues in a row at one size, the most run.
+            seen.queue_runs = seen.queue_runs + 1 if running == seen.queue_size else 1
+            seen.queue_size = running
+            if seen.queue_runs >= STEADY_QUEUES and running >= most:
+                seen.steady = running
             return
         seen.queued_at = None
+        if seen.steady is not None and running > seen.steady:
+            seen.steady = None  # it ran more: the queues were not a cap
         if limit is None:  # not confirmed yet: nothing to raise or probe
             return
         if running > limit or (seen.probed_from is not None and running > seen.probed_from):
