@@ -101,7 +101,7 @@ class IdleState:
         return 0
 
     def batch(
-        self, uid: str, published: bool = False, cap: bool = False
+        self, uid: str, published: bool = False, cap: bool = False, shared: bool = False
     ) -> tuple[float, float | None, float | None]:
         return self.batches.get(uid, (0.0, None, None))
 

@@ -28,6 +28,10 @@ class Snap:
     unknown: frozenset[str] = frozenset()
     kv_cache_usage: float = 0.5
     max_num_seqs: int | None = None
+    kv_blocks_total: int = 0  # 0: the engines do not say (no kind: nothing shared)
+    block_size: int = 16
+    instances: int = 1
+    gpu_speed: float | None = None
 
 
 def test_the_limit_is_the_batch_seen_queueing_and_a_growing_batch_only_while_it_queues() -> None:
@@ -108,6 +112,75 @@ def test_a_steady_queue_below_a_batch_already_run_is_no_cap() -> None:
     assert b.limit("e") == 9 and b.limit("e", cap=True) is None
 
 
+def test_engines_alike_start_from_the_sequence_cap_one_of_them_showed() -> None:
+    """A cold fleet fills every batch within seconds: an engine that has shown nothing yet is read
+    at the cap engines of its kind (KV blocks, block size, instances, GPUs) showed, until it runs
+    more itself; another kind, or engines that do not say their KV blocks, share nothing."""
+    b = BatchLimits()
+
+    def snaps(t: float, a: tuple[int, int], b_: tuple[int, int], h: tuple[int, int]) -> dict[str, Snap]:
+        return {
+            "a": Snap(*a, t, kv_blocks_total=600),
+            "b": Snap(*b_, t, kv_blocks_total=600),
+            "h": Snap(*h, t, kv_blocks_total=900),  # another kind (an H100 of the same model)
+        }
+
+    b.take_all(snaps(1.0, (8, 2), (3, 0), (3, 0)))
+    assert b.limit("b") is None and b.limit("b", shared=True) is None  # one queue: maybe a burst
+    b.take_all(snaps(1.5, (8, 2), (4, 0), (4, 0)))
+    assert b.limit("a", cap=True) == 8  # two in a row at the most it ran: a's cap
+    assert b.limit("b") == 8 and b.limit("b", cap=True) == 8 and b.limit("b", shared=True) == 8
+    assert b.limit("b", published=True) is None  # learnt: not a prediction's batch wait
+    assert b.limit("h") is None  # another kind of engine
+    b.take_all(snaps(2.0, (8, 2), (9, 0), (4, 0)))
+    assert b.limit("b") is None  # it ran more: not its cap
+    assert b.limit("a", shared=True) == 8
+    c = BatchLimits()  # no KV blocks published: no kind
+    c.take_all({"a": Snap(8, 2, 1.0), "b": Snap(3, 0, 1.0)})
+    c.take_all({"a": Snap(8, 2, 1.5), "b": Snap(3, 0, 1.5)})
+    assert c.limit("a", cap=True) == 8 and c.limit("b") is None
+
+
+def test_two_engines_alike_queueing_at_their_most_at_one_size_show_a_cap_at_once() -> None:
+    """Two engines of a kind queueing at the same size, each at the most it ever ran, show a cap as
+    two snapshots of one engine do; at different sizes (a prefill burst, a KV cache) they do not."""
+    kind = {"kv_blocks_total": 600}
+    b = BatchLimits()
+    b.take_all({"a": Snap(8, 1, 1.0, **kind), "b": Snap(8, 3, 1.0, **kind), "c": Snap(2, 0, 1.0, **kind)})
+    assert b.limit("c", shared=True) == 8 and b.limit("c", cap=True) == 8
+    d = BatchLimits()
+    d.take_all({"a": Snap(8, 1, 1.0, **kind), "b": Snap(6, 3, 1.0, **kind), "c": Snap(2, 0, 1.0, **kind)})
+    assert d.limit("c", shared=True) is None and d.limit("c") is None
+
+
+def test_critical_requests_leave_an_engine_whose_shared_cap_makes_them_wait() -> None:
+    """The prediction charges only a published cap's wait (ttft_predictor.slot_wait); a critical
+    request's candidates also count the wait for a place at the cap engines of its kind showed:
+    a warm engine with two ahead of a place (2 s at one place a second) is not within its objective
+    (one mean prefill) of an idle one where it is a cold prefill (0.5 s)."""
+
+    class Shared(IdleState):
+        def batch(
+            self, uid: str, published: bool = False, cap: bool = False, shared: bool = False
+        ) -> tuple[float, float | None, float | None]:
+            occupancy = {"warm": 9.0, "idle": 3.0}[uid]
+            return occupancy, None if published else 8.0, 1.0
+
+    warm, idle = Upstream("warm", "warm", None, 1.0), Upstream("idle", "idle", None, 1.0)
+    adm = Admission(
+        admission_settings({"enabled": True}),
+        lambda model: (warm, idle),
+        Shared(),  # type: ignore[arg-type]
+        prefill=FixedBacklog(lambda u: (0.0, 0.3)),
+    )
+    req = request("critical")
+    req.prepared = {"predicted-ttft": {"warm": 0.1, "idle": 0.5}}
+    assert adm.placeable(req, (warm, idle)) == (idle,)
+    req.prepared = {"predicted-ttft": {"warm": 0.1, "idle": 0.5}}
+    adm.state = IdleState()  # type: ignore[assignment]
+    assert adm.placeable(req, (warm, idle)) == (warm,)  # no cap known: warm is the soonest
+
+
 def test_placement_keeps_places_only_by_a_cap_while_admission_counts_every_limit() -> None:
     """Standard requests kept off an engine whose learnt limit is its KV cache's went to engines
     without their prefix, whose caches then filled at fewer sequences: the limits fell with each
@@ -116,7 +189,7 @@ def test_placement_keeps_places_only_by_a_cap_while_admission_counts_every_limit
 
     class Learnt(IdleState):
         def batch(
-            self, uid: str, published: bool = False, cap: bool = False
+            self, uid: str, published: bool = False, cap: bool = False, shared: bool = False
         ) -> tuple[float, float | None, float | None]:
             occupancy, limit, turnover = self.batches[uid]
             return occupancy, None if cap and uid == "kv" else limit, turnover
@@ -221,7 +294,7 @@ def test_slot_wait_counts_the_requests_beyond_the_limit_over_the_turnover() -> N
         token budget under overload, or a full KV cache)."""
 
         def batch(
-            self, uid: str, published: bool = False, cap: bool = False
+            self, uid: str, published: bool = False, cap: bool = False, shared: bool = False
         ) -> tuple[float, float | None, float | None]:
             return 10.0, None if published else 8.0, 2.0
 

@@ -50,7 +50,7 @@ class State:
         return self.counts[upstream_id]
 
     def batch(
-        self, upstream_id: str, published: bool = False, cap: bool = False
+        self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
     ) -> tuple[float, float | None, float | None]:
         return 0.0, None, None  # no batch limit known
 

@@ -69,7 +69,7 @@ class FakeState:
         return self.pendings.get(upstream_id, 0)
 
     def batch(
-        self, upstream_id: str, published: bool = False, cap: bool = False
+        self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
     ) -> tuple[float, float | None, float | None]:
         return 0.0, None, None  # no batch limit known
 

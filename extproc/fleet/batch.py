@@ -46,6 +46,17 @@ class BatchReport(Protocol):
     def counters(self) -> tuple[float | None, float, float] | None: ...
     @property
     def max_num_seqs(self) -> int | None: ...
+    @property
+    def kv_blocks_total(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def instances(self) -> int: ...
+    @property
+    def gpu_speed(self) -> float | None: ...
+
+
+Kind = tuple[int, int, int, float | None]  # engines alike: KV blocks, block size, instances, GPU speed
 
 
 @dataclass(slots=True)
@@ -65,6 +76,7 @@ class _Batch:
     first_tokens: float | None = None  # the engines' cumulative count at the last snapshot
     turnover: float | None = None  # first tokens per second, smoothed over TURNOVER_WINDOW_S
     cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
+    kind: Kind | None = None  # None: the engines do not say their KV blocks
     published_cap: float | None = None  # the figure last published (a wrong one is not trusted again)
 
 
@@ -72,32 +84,48 @@ class BatchLimits:
     """Per upstream: the batch limit and the turnover (see the module docstring); None while unknown
     (the engines never queued, or publish no first-token counter)."""
 
-    __slots__ = ("_seen",)
+    __slots__ = ("_seen", "_shown")
 
     def __init__(self) -> None:
         self._seen: dict[str, _Batch] = {}
+        self._shown: dict[Kind, float] = {}  # the sequence cap engines of a kind showed (`_share`)
 
-    def limit(self, upstream_id: str, published: bool = False, cap: bool = False) -> float | None:
+    def limit(
+        self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
+    ) -> float | None:
         """The confirmed limit, or the running count of the last snapshot if it queued (a cold
-        fleet's engines fill within seconds of their first queue); None otherwise. With
-        `published`, only the count of sequences the publisher gave (`max_num_seqs`) while it is the
-        limit: one learnt from queues may be a burst of prefills over the step's token budget, a
-        batch held at one size by a token budget under overload, or a full KV cache where a request
-        sharing cached blocks still fits. With `cap`, the limit only while it is a sequence cap:
-        published, or `STEADY_QUEUES` queueing snapshots in a row at one size no smaller than any
-        run before and not run past since with none waiting, or a queue now at the most it ever ran
-        (a full KV cache or a token budget queues at sizes that move with the prompts placed there:
-        placement that keeps places by those moves requests off their prefix holders)."""
+        fleet's engines fill within seconds of their first queue), or else the sequence cap engines
+        of its kind showed (`_share`); None otherwise. With `published`, only the count of sequences
+        the publisher gave (`max_num_seqs`) while it is the limit: one learnt from queues may be a
+        burst of prefills over the step's token budget, a batch held at one size by a token budget
+        under overload, or a full KV cache where a request sharing cached blocks still fits. With
+        `cap`, the limit only while it is a sequence cap: published, or `STEADY_QUEUES` queueing
+        snapshots in a row at one size no smaller than any run before and not run past since with
+        none waiting, or a queue now at the most it ever ran, or its kind's (a full KV cache or a
+        token budget queues at sizes that move with the prompts placed there: placement that keeps
+        places by those moves requests off their prefix holders). With `shared`, only its kind's
+        cap (not a published one): what engines alike showed, the surest of the learnt ones."""
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
         is_published = seen.cap is not None and seen.limit == seen.cap
         if published:
             return seen.limit if is_published else None
+        if shared:
+            return self._sibling(seen)
         if cap and seen.steady is None and not is_published:
             queued = seen.queued_at  # a queue now at the most it ever ran is one
-            return queued if queued is not None and queued >= seen.most else None
-        return seen.limit if seen.limit is not None else seen.queued_at
+            return queued if queued is not None and queued >= seen.most else self._sibling(seen)
+        if seen.limit is not None:
+            return seen.limit
+        return seen.queued_at if seen.queued_at is not None else self._sibling(seen)
+
+    def _sibling(self, seen: _Batch) -> float | None:
+        """The sequence cap engines of its kind showed, unless it ran more itself (`_share`)."""
+        if seen.kind is None or seen.cap is not None:
+            return None
+        shown = self._shown.get(seen.kind)
+        return shown if shown is not None and seen.most <= shown else None
 
     def turnover(self, upstream_id: str) -> float | None:
         seen = self._seen.get(upstream_id)
@@ -109,6 +137,33 @@ class BatchLimits:
     def take_all(self, loads: Mapping[str, BatchReport]) -> None:
         for upstream_id, load in loads.items():
             self.take(upstream_id, load)
+        self._share(loads)
+
+    def _share(self, loads: Mapping[str, BatchReport]) -> None:
+        """The sequence cap each kind of engine showed (the same KV blocks, block size, instances and
+        GPUs: one configuration, as a deployment's replicas run): a steady one, or one engine's queue
+        now at the most it ever ran where another's is at the same size. An engine that has shown
+        nothing itself is read at that cap (`_sibling`): a cold fleet fills every batch within
+        seconds, before each engine's own queues show its cap, and a queue ahead of a cap costs
+        seconds a request. The largest shown, and only for an engine that never ran more."""
+        shown: dict[Kind, float] = {}
+        queues: dict[tuple[Kind, float], int] = {}
+        seen_all = self._seen
+        for upstream_id in loads:
+            seen = seen_all.get(upstream_id)
+            if seen is None or seen.kind is None:
+                continue
+            size = seen.steady
+            queued = seen.queued_at
+            if size is None and queued is not None and queued >= seen.most:
+                # Two engines queueing at one size, each at its most, show it as STEADY_QUEUES
+                # snapshots of one engine do.
+                n = queues[(seen.kind, queued)] = queues.get((seen.kind, queued), 0) + 1
+                if n >= STEADY_QUEUES:
+                    size = queued
+            if size is not None:
+                shown[seen.kind] = max(shown.get(seen.kind, 0.0), size)
+        self._shown = shown
 
     def take(self, upstream_id: str, load: BatchReport) -> None:
         """Take in `load`'s snapshot unless already taken."""
@@ -123,6 +178,8 @@ class BatchLimits:
             return
         dt = load.published_at - seen.published_at
         seen.published_at = load.published_at
+        total = load.kv_blocks_total
+        seen.kind = (total, load.block_size, load.instances, load.gpu_speed) if total > 0 else None
         cap = None if load.max_num_seqs is None else float(load.max_num_seqs)
         if cap != seen.published_cap:
             seen.published_cap = seen.cap = cap

@@ -507,7 +507,7 @@ class SchedulingState:
         return self.view.smoothed_running(upstream_id, window_s) if self.view is not None else None
 
     def batch(
-        self, upstream_id: str, published: bool = False, cap: bool = False
+        self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
     ) -> tuple[float, float | None, float | None]:
         view = self.view
         if view is None:
@@ -519,7 +519,7 @@ class SchedulingState:
         else:
             occupancy = float(max(own, load.num_running + load.num_waiting + own - load.own_at_snapshot))
         batches = view.batches
-        return occupancy, batches.limit(upstream_id, published, cap), batches.turnover(upstream_id)
+        return occupancy, batches.limit(upstream_id, published, cap, shared), batches.turnover(upstream_id)
 
     def pending(self, upstream_id: str) -> int:
         """Requests the engines' figures do not include yet: how far the in-flight count there (this

@@ -524,11 +524,28 @@ class Admission:
         ttft = prepared_figure(request, PREDICTED_TTFT, candidates) if len(candidates) > 1 else None
         if ttft is None:
             return candidates
+        ttft = [t + self._cap_wait(u) for u, t in zip(candidates, ttft, strict=True)]
         best = min(ttft)
         unloaded = min(self._backlog(u)[1] for u in candidates)
         budget = self.objectives(request.model, request.route_objectives).critical.budget(unloaded)
         bound = best + (budget or 0.0) + unloaded
         return tuple(u for u, t in zip(candidates, ttft, strict=True) if t <= bound)
+
+    def _cap_wait(self, u: Upstream) -> float:
+        """Seconds a request sent to `u` now waits for a place in a batch at the sequence cap its
+        kind of engine showed (fleet/batch.py; the prediction counts published caps only:
+        ttft_predictor.slot_wait). Not one engine's own queues: on engines bound by their KV cache
+        or token budget those move with the prompts, and charged for them critical requests left
+        their prefix holders as cold prefills (notebook/benchmarks-history.md, "Caps shared by
+        engines alike")."""
+        state = self.state
+        if state.batch(u.id, published=True)[1] is not None:
+            return 0.0
+        occupancy, limit, turnover = state.batch(u.id, shared=True)
+        if limit is None or not turnover:
+            return 0.0
+        ahead = occupancy + 1 - limit
+        return ahead / turnover if ahead > 0 else 0.0
 
     def _backlog(self, u: Upstream) -> tuple[float, float]:
         """(prefill seconds queued at `u`, mean prefill seconds per request); zeros unknown."""

@@ -43,7 +43,7 @@ class FleetState(Protocol):
         ...
 
     def batch(
-        self, upstream_id: str, published: bool = False, cap: bool = False
+        self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
     ) -> tuple[float, float | None, float | None]:
         """(requests there now: the engines' running and waiting plus what was sent since, or this
         process's in-flight count where larger; the batch it runs before queueing; requests per
@@ -51,7 +51,7 @@ class FleetState(Protocol):
         (fleet/batch.py): the engines never queued, or publish no first-token counter. With
         `published`, the limit only where it is the publisher's `max_num_seqs` (BatchLimits.limit):
         what a request waits for whatever its prompt; with `cap`, also where the engines showed a
-        steady sequence cap."""
+        steady sequence cap; with `shared`, only the sequence cap engines of its kind showed."""
         ...
 
     def kv_blocks(self, upstream_id: str) -> KvHeld | None:

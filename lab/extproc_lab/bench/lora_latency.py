@@ -60,7 +60,7 @@ class ModelState:
         return own if load is None else max(0, own - load.own_at_snapshot)
 
     def batch(
-        self, upstream_id: str, published: bool = False, cap: bool = False
+        self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
     ) -> tuple[float, float | None, float | None]:
         return 0.0, None, None  # no batch limit known
 
