@@ -112,33 +112,43 @@ def test_a_steady_queue_below_a_batch_already_run_is_no_cap() -> None:
     assert b.limit("e") == 9 and b.limit("e", cap=True) is None
 
 
-def test_engines_alike_start_from_the_sequence_cap_one_of_them_showed() -> None:
+def test_engines_alike_start_from_the_sequence_cap_two_of_them_showed() -> None:
     """A cold fleet fills every batch within seconds: an engine that has shown nothing yet is read
-    at the cap engines of its kind (KV blocks, block size, instances, GPUs) showed, until it runs
-    more itself; another kind, or engines that do not say their KV blocks, share nothing."""
+    at the cap two engines of its kind (KV blocks, block size, instances, GPUs) showed, each steady
+    there or queueing now at the most it ran, until it runs more itself; one engine's alone (maybe a
+    prompt mix filling its KV cache), another kind, or engines that do not say their KV blocks share
+    nothing."""
     b = BatchLimits()
 
-    def snaps(t: float, a: tuple[int, int], b_: tuple[int, int], h: tuple[int, int]) -> dict[str, Snap]:
+    def snaps(t: float, a: tuple[int, int], b_: tuple[int, int], c: tuple[int, int]) -> dict[str, Snap]:
         return {
             "a": Snap(*a, t, kv_blocks_total=600),
             "b": Snap(*b_, t, kv_blocks_total=600),
-            "h": Snap(*h, t, kv_blocks_total=900),  # another kind (an H100 of the same model)
+            "c": Snap(*c, t, kv_blocks_total=600),
+            "h": Snap(3, 0, t, kv_blocks_total=900),  # another kind (an H100 of the same model)
         }
 
     b.take_all(snaps(1.0, (8, 2), (3, 0), (3, 0)))
-    assert b.limit("b") is None and b.limit("b", shared=True) is None  # one queue: maybe a burst
     b.take_all(snaps(1.5, (8, 2), (4, 0), (4, 0)))
-    assert b.limit("a", cap=True) == 8  # two in a row at the most it ran: a's cap
-    assert b.limit("b") == 8 and b.limit("b", cap=True) == 8 and b.limit("b", shared=True) == 8
-    assert b.limit("b", published=True) is None  # learnt: not a prediction's batch wait
+    assert b.limit("a", cap=True) == 8  # two in a row at the most it ran: a's cap...
+    assert b.limit("c") is None and b.limit("c", shared=True) is None  # ...not yet its kind's
+    b.take_all(snaps(2.0, (8, 2), (8, 1), (5, 0)))  # b queues at its most, at a's cap
+    assert b.limit("c") == 8 and b.limit("c", cap=True) == 8 and b.limit("c", shared=True) == 8
+    assert b.limit("c", published=True) is None  # learnt: not a prediction's batch wait
     assert b.limit("h") is None  # another kind of engine
-    b.take_all(snaps(2.0, (8, 2), (9, 0), (4, 0)))
-    assert b.limit("b") is None  # it ran more: not its cap
+    b.take_all(snaps(2.5, (8, 2), (8, 1), (9, 0)))
+    assert b.limit("c") is None  # it ran more: not its cap
     assert b.limit("a", shared=True) == 8
-    c = BatchLimits()  # no KV blocks published: no kind
-    c.take_all({"a": Snap(8, 2, 1.0), "b": Snap(3, 0, 1.0)})
-    c.take_all({"a": Snap(8, 2, 1.5), "b": Snap(3, 0, 1.5)})
-    assert c.limit("a", cap=True) == 8 and c.limit("b") is None
+    d = BatchLimits()
+    d.take_all({"a": Snap(8, 1, 1.0, kv_blocks_total=600), "b": Snap(6, 3, 1.0, kv_blocks_total=600)})
+    d.take_all({"a": Snap(8, 1, 1.5, kv_blocks_total=600), "b": Snap(6, 3, 1.5, kv_blocks_total=600)})
+    d.take_all({"a": Snap(8, 1, 2.0, kv_blocks_total=600), "b": Snap(6, 3, 2.0, kv_blocks_total=600)})
+    d.take_all({"a": Snap(8, 1, 2.0, kv_blocks_total=600), "c": Snap(1, 0, 2.0, kv_blocks_total=600)})
+    assert d.limit("c", shared=True) is None  # steady at 8 and at 6: no two agree
+    e = BatchLimits()  # no KV blocks published: no kind
+    for t in (1.0, 1.5):
+        e.take_all({"a": Snap(8, 2, t), "b": Snap(8, 2, t), "c": Snap(3, 0, t)})
+    assert e.limit("a", cap=True) == 8 and e.limit("c") is None
 
 
 def test_two_engines_alike_queueing_at_their_most_at_one_size_show_a_cap_at_once() -> None:

@@ -141,11 +141,13 @@ class BatchLimits:
 
     def _share(self, loads: Mapping[str, BatchReport]) -> None:
         """The sequence cap each kind of engine showed (the same KV blocks, block size, instances and
-        GPUs: one configuration, as a deployment's replicas run): a steady one, or one engine's queue
-        now at the most it ever ran where another's is at the same size. An engine that has shown
+        GPUs: one configuration, as a deployment's replicas run): a size at which two engines of the
+        kind have a steady cap or queue now at the most they ever ran. An engine that has shown
         nothing itself is read at that cap (`_sibling`): a cold fleet fills every batch within
         seconds, before each engine's own queues show its cap, and a queue ahead of a cap costs
-        seconds a request. The largest shown, and only for an engine that never ran more."""
+        seconds a request. One engine's alone is not shared: on engines bound by their KV cache or
+        token budget such a queue is often a prompt mix's (the priorities grid's admission row lost
+        6 % at 120 % with it). The largest shown, and only for an engine that never ran more."""
         shown: dict[Kind, float] = {}
         queues: dict[tuple[Kind, float], int] = {}
         seen_all = self._seen
@@ -156,13 +158,11 @@ class BatchLimits:
             size = seen.steady
             queued = seen.queued_at
             if size is None and queued is not None and queued >= seen.most:
-                # Two engines queueing at one size, each at its most, show it as STEADY_QUEUES
-                # snapshots of one engine do.
-                n = queues[(seen.kind, queued)] = queues.get((seen.kind, queued), 0) + 1
-                if n >= STEADY_QUEUES:
-                    size = queued
+                size = queued
             if size is not None:
-                shown[seen.kind] = max(shown.get(seen.kind, 0.0), size)
+                n = queues[(seen.kind, size)] = queues.get((seen.kind, size), 0) + 1
+                if n >= STEADY_QUEUES:
+                    shown[seen.kind] = max(shown.get(seen.kind, 0.0), size)
         self._shown = shown
 
     def take(self, upstream_id: str, load: BatchReport) -> None:
