@@ -10,7 +10,8 @@ requests get a place once the batch is full. Where the publisher says how many r
 run at once (`max_num_seqs`), that is the limit from the first snapshot on (a cold fleet fills its
 batches within seconds, before any queue shows them), lowered where the KV cache fills first. A
 limit is a sequence cap (`limit(cap=True)`) only where it does not move with the prompts: published,
-or queues at one size that is the most the engines ever ran."""
+or queues at one size that is the most the engines ever ran; engines alike (one deployment's
+replicas) start from the cap two of them showed (`limit(shared=True)`)."""
 
 from __future__ import annotations
 
@@ -146,8 +147,8 @@ class BatchLimits:
         nothing itself is read at that cap (`_sibling`): a cold fleet fills every batch within
         seconds, before each engine's own queues show its cap, and a queue ahead of a cap costs
         seconds a request. One engine's alone is not shared: on engines bound by their KV cache or
-        token budget such a queue is often a prompt mix's (the priorities grid's admission row lost
-        6 % at 120 % with it). The largest shown, and only for an engine that never ran more."""
+        token budget such a queue is often a prompt mix's (notebook/benchmarks-history.md, "Caps
+        shared by engines alike"). The largest shown, and only for an engine that never ran more."""
         shown: dict[Kind, float] = {}
         queues: dict[tuple[Kind, float], int] = {}
         seen_all = self._seen

@@ -84,7 +84,8 @@ def class_checks(loads: dict[str, Any], row: str) -> dict[str, Any]:
         ours = by_load[x][row]
         k = ours["classes"]
         crit = k["critical"]
-        peer = max((by_load[x][p]["goodput_rps"], p) for p in PEERS if p in by_load[x])
+        # (0, "-") where the run had no peer row (`--rows llm-extproc`), as the priorities bench's
+        peer = max(((by_load[x][p]["goodput_rps"], p) for p in PEERS if p in by_load[x]), default=(0.0, "-"))
         per_load[f"{x:g}"] = {
             "critical_p99_ratio": _ratio(crit["ttft_p99_ms"], low["ttft_p99_ms"]),
             "critical_p99_steady_ratio": _ratio(crit["ttft_p99_steady_ms"], low["ttft_p99_steady_ms"]),
