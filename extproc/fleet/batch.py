@@ -24,6 +24,7 @@ TURNOVER_WINDOW_S = 10.0  # the turnover's smoothing (snapshot time)
 KV_FULL = 0.9  # KV-cache usage at which a queue is the cache's limit
 PROBE_AFTER_S = 3.0  # full with none waiting this long: one more place is tried
 STEADY_QUEUES = 2  # queueing snapshots in a row at one batch size that show a sequence cap
+AGREEING_ENGINES = 2  # engines of a kind at one cap (steady or queueing at their most) that show it
 PROBE_BACKOFF_MAX_S = 48.0  # a probe that failed (a queue at the old limit) doubles the wait to this
 MAX_TRACKED_UPSTREAMS = 4096
 
@@ -142,8 +143,8 @@ class BatchLimits:
 
     def _share(self, loads: Mapping[str, BatchReport]) -> None:
         """The sequence cap each kind of engine showed (the same KV blocks, block size, instances and
-        GPUs: one configuration, as a deployment's replicas run): a size at which two engines of the
-        kind have a steady cap or queue now at the most they ever ran. An engine that has shown
+        GPUs: one configuration, as a deployment's replicas run): a size at which AGREEING_ENGINES of
+        the kind have a steady cap or queue now at the most they ever ran. An engine that has shown
         nothing itself is read at that cap (`_sibling`): a cold fleet fills every batch within
         seconds, before each engine's own queues show its cap, and a queue ahead of a cap costs
         seconds a request. One engine's alone is not shared: on engines bound by their KV cache or
@@ -162,7 +163,7 @@ class BatchLimits:
                 size = queued
             if size is not None:
                 n = queues[(seen.kind, size)] = queues.get((seen.kind, size), 0) + 1
-                if n >= STEADY_QUEUES:
+                if n >= AGREEING_ENGINES:
                     shown[seen.kind] = max(shown.get(seen.kind, 0.0), size)
         self._shown = shown
 
