@@ -311,6 +311,8 @@ def test_slot_wait_counts_the_requests_beyond_the_limit_over_the_turnover() -> N
     # Not charged as a batch wait (charged, the pressure grid's overload cells went from 1.5-1.8x
     # to 8-18x of the best peer), while admission keeps its places by it.
     assert slot_wait(Learnt(), "a") == 0.0
+    # A cap engines of its kind showed is counted where asked (admission's critical placement).
+    assert slot_wait(Learnt(), "a", shared=True) == pytest.approx(1.5)
 
 
 def request(klass: str, model: str = "m") -> InferenceRequest:

@@ -60,6 +60,7 @@ from extproc.openai.errors import shed
 from extproc.openai.parse import parse_slo_ms
 from extproc.scheduling import FleetState
 from extproc.scheduling.framework import PREDICTED_TTFT, prepared_figure
+from extproc.scheduling.ttft_predictor import slot_wait
 from extproc.settings import (
     MAX_PRIORITY_METADATA_KEY,
     OBJECTIVES_METADATA_KEY,
@@ -538,14 +539,7 @@ class Admission:
         or token budget those move with the prompts, and charged for them critical requests left
         their prefix holders as cold prefills (notebook/benchmarks-history.md, "Caps shared by
         engines alike")."""
-        state = self.state
-        if state.batch(u.id, published=True)[1] is not None:
-            return 0.0
-        occupancy, limit, turnover = state.batch(u.id, shared=True)
-        if limit is None or not turnover:
-            return 0.0
-        ahead = occupancy + 1 - limit
-        return ahead / turnover if ahead > 0 else 0.0
+        return slot_wait(self.state, u.id, shared=True)  # no shared cap where one is published
 
     def _backlog(self, u: Upstream) -> tuple[float, float]:
         """(prefill seconds queued at `u`, mean prefill seconds per request); zeros unknown."""

@@ -624,15 +624,16 @@ class TtftPredictor:
         return {uid: m.cache.used_blocks for uid, m in self._models.items()}
 
 
-def slot_wait(state: FleetState, upstream_id: str, extra: int = 0) -> float:
+def slot_wait(state: FleetState, upstream_id: str, extra: int = 0, shared: bool = False) -> float:
     """Seconds a request sent to `upstream_id` now (after `extra` more) waits for a place in its
     engines' batch: the requests beyond the batch limit, ahead of it and it, over the turnover
     (fleet/batch.py); 0 while either is unknown. Only a published limit (`max_num_seqs`) counts: a
     learnt one may be a burst of prefills, which the prefill queue (`_wait`) counts already, a
     batch a token budget holds at one size under overload, or a full KV cache that a request whose
     blocks are cached still fits (the room term counts KV). Charged for those, warm requests went to
-    cold engines: the pressure grid's overload cells went from 1.5-1.8x to 8-18x of the best peer."""
-    occupancy, limit, turnover = state.batch(upstream_id, published=True)
+    cold engines: the pressure grid's overload cells went from 1.5-1.8x to 8-18x of the best peer.
+    With `shared`, instead the cap engines of its kind showed (none where one is published)."""
+    occupancy, limit, turnover = state.batch(upstream_id, published=not shared, shared=shared)
     if limit is None or not turnover:
         return 0.0
     ahead = occupancy + extra + 1 - limit
