@@ -567,3 +567,24 @@ def test_a_route_sets_its_own_class_objectives_over_the_models() -> None:
         problem = route_metadata_errors("x-llm-objectives", bad)
         assert problem is not None and "x-llm-objectives" in problem
     assert route_metadata_errors("x-llm-objectives", "sheddable=30s") is None
+
+
+def test_class_checks_of_a_run_without_a_peer_row() -> None:
+    """`class_objectives_live --rows llm-extproc`: no peer ran, so the best peer is none (0, "-")."""
+    from extproc_lab.bench.classes import OURS, class_checks
+
+    def stats(good: float, p99: float) -> dict[str, Any]:
+        classes = {
+            "critical": {"ttft_p99_ms": p99, "ttft_p99_steady_ms": p99, "shed": 0},
+            "standard": {"shed": 2},
+            "sheddable": {"shed": 5},
+        }
+        return {"goodput_rps": good, "classes": classes}
+
+    loads = {
+        "0.5": {"policies": {OURS: stats(3.0, 100.0)}},
+        "2": {"policies": {OURS: stats(6.0, 300.0)}},
+    }
+    at_2x = class_checks(loads, OURS)["loads"]["2"]
+    assert (at_2x["best_peer"], at_2x["best_peer_goodput"]) == ("-", 0.0)
+    assert at_2x["critical_p99_ratio"] == pytest.approx(3.0) and at_2x["sheddable_first"]
