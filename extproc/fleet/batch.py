@@ -10,8 +10,9 @@ requests get a place once the batch is full. Where the publisher says how many r
 run at once (`max_num_seqs`), that is the limit from the first snapshot on (a cold fleet fills its
 batches within seconds, before any queue shows them), lowered where the KV cache fills first. A
 limit is a sequence cap (`limit(cap=True)`) only where it does not move with the prompts: published,
-or queues at one size that is the most the engines ever ran; engines alike (one deployment's
-replicas) start from the cap two of them showed (`limit(shared=True)`)."""
+or queues at one size that is the most the engines ever ran, snapshot after snapshot, or the size at
+which two engines alike (one deployment's replicas) queue at their most (`limit(shared=True)`). One
+engine's one queue is not a cap: a token budget or a burst of arrivals shows one at any size."""
 
 from __future__ import annotations
 
@@ -103,9 +104,11 @@ class BatchLimits:
         under overload, or a full KV cache where a request sharing cached blocks still fits. With
         `cap`, the limit only while it is a sequence cap: published, or `STEADY_QUEUES` queueing
         snapshots in a row at one size no smaller than any run before and not run past since with
-        none waiting, or a queue now at the most it ever ran, or its kind's (a full KV cache or a
-        token budget queues at sizes that move with the prompts placed there: placement that keeps
-        places by those moves requests off their prefix holders). With `shared`, only its kind's
+        none waiting, or its kind's (a full KV cache or a token budget queues at sizes that move
+        with the prompts placed there: placement that keeps places by those moves requests off
+        their prefix holders; nor is one engine's single queue at the most it ran: on multi-turn
+        chats, kept by it, conversations left the engines holding them: notebook/benchmarks-history.md,
+        "One queue is not a cap"). With `shared`, only its kind's
         cap (not a published one): what engines alike showed, the surest of the learnt ones."""
         seen = self._seen.get(upstream_id)
         if seen is None:
@@ -116,8 +119,7 @@ class BatchLimits:
         if shared:
             return self._sibling(seen)
         if cap and seen.steady is None and not is_published:
-            queued = seen.queued_at  # a queue now at the most it ever ran is one
-            return queued if queued is not None and queued >= seen.most else self._sibling(seen)
+            return self._sibling(seen)
         if seen.limit is not None:
             return seen.limit
         return seen.queued_at if seen.queued_at is not None else self._sibling(seen)
