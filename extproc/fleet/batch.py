@@ -104,12 +104,12 @@ class BatchLimits:
         under overload, or a full KV cache where a request sharing cached blocks still fits. With
         `cap`, the limit only while it is a sequence cap: published, or `STEADY_QUEUES` queueing
         snapshots in a row at one size no smaller than any run before and not run past since with
-        none waiting, or its kind's (a full KV cache or a token budget queues at sizes that move
-        with the prompts placed there: placement that keeps places by those moves requests off
-        their prefix holders; nor is one engine's single queue at the most it ran: on multi-turn
-        chats, kept by it, conversations left the engines holding them: notebook/benchmarks-history.md,
-        "One queue is not a cap"). With `shared`, only its kind's
-        cap (not a published one): what engines alike showed, the surest of the learnt ones."""
+        none waiting, or its kind's. Not a full KV cache's or a token budget's limit (they move with
+        the prompts placed there: placement that keeps places by them moves requests off their
+        prefix holders), nor one engine's single queue at the most it ran (on multi-turn chats,
+        kept by it, conversations left the engines holding them: notebook/benchmarks-history.md,
+        "One queue is not a cap"). With `shared`, only its kind's cap (not a published one): what
+        engines alike showed, the surest of the learnt ones."""
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
