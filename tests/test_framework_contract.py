@@ -148,6 +148,17 @@ def test_finish_releases_counts_and_tells_plugins_exactly_once() -> None:
     assert sample(lc, "llm_extproc_plugin_seconds_count", kind="scorer", plugin="Learner") == 1
 
 
+def test_plugins_are_timed_on_a_sample_of_decisions() -> None:
+    from extproc.lifecycle.router import PLUGIN_TIMING_EVERY
+
+    lc = lifecycle_with(Learner())
+    for _ in range(2 * PLUGIN_TIMING_EVERY + 1):
+        lc.finish(lc.route(HEAD, BODY), "response_end")
+    # the first decision, then one in PLUGIN_TIMING_EVERY
+    assert sample(lc, "llm_extproc_plugin_seconds_count", kind="scorer", plugin="Learner") == 3
+    assert sample(lc, "llm_extproc_releases_total", trigger="response_end") == 2 * PLUGIN_TIMING_EVERY + 1
+
+
 async def test_stream_close_goes_through_the_lifecycle() -> None:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 

@@ -248,7 +248,7 @@ class Metrics:
         self.plugin_seconds = Histogram(
             "llm_extproc_plugin_seconds",
             "Time spent in each scheduling plugin per decision, by stage (prepare, filter, scorer, "
-            "picker) and plugin name.",
+            "picker) and plugin name; one decision in 8 is timed.",
             ["kind", "plugin"],
             buckets=_PLUGIN_BUCKETS,
             registry=self.registry,
