@@ -248,6 +248,7 @@ def _overhead(args: argparse.Namespace) -> int:
                 same_prompt=args.same_prompt,
                 engines=args.engines,
                 prompt_words=args.prompt_words,
+                null_busy_us=args.null_busy_us,
                 out_dir=Path(args.out if args.out != "out/overhead" else "out/overhead-workers"),
             )
         )
@@ -442,6 +443,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         default=800,
         help="with --workers: words in each user turn (~1 token each; 28000: a ~200 KB body)",
+    )
+    p.add_argument(
+        "--null-busy-us",
+        type=float,
+        default=None,
+        help="with --workers: also the do-nothing processor spending this many CPU microseconds a "
+        "request (the in-process decision's cost: the floor of a processor that makes it)",
     )
     p.set_defaults(func=_overhead)
 

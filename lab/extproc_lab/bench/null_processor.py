@@ -6,10 +6,13 @@ The same message exchange as llm-extproc under the shipped envoy.yaml (request h
 buffered body; nothing of the response; each request's access-log entry on Envoy's gRPC access-log
 stream), the same server stack (grpc.aio, the Envoy protos, the gRPC health service Envoy checks),
 and nothing else: each request's headers get an empty reply, its body a reply that sets the
-destination-cluster header to `--cluster` (and a ticket header, so that Envoy sends the entry), and
-its log entry is read and dropped. No parsing, no
-scheduling, no Redis. `llm-extproc bench-overhead --workers 1` runs it beside the service to tell
-the service's own cost from what any Python processor pays (extproc_lab.bench.workers_overhead).
+destination-cluster header to `--cluster` (a comma list: each in turn, as the service spreads
+requests) and a ticket header (so that Envoy sends the entry), and its log entry is read and dropped.
+No parsing, no scheduling, no Redis. `llm-extproc bench-overhead --workers 1` runs it beside the
+service to tell the service's own cost from what any Python processor pays
+(extproc_lab.bench.workers_overhead).
+`--busy-us N` spends N microseconds of CPU on the event loop before each body reply: a processor whose
+only work is a decision of that cost (`--null-busy-us` of the bench), the floor of a real one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -32,14 +36,20 @@ TICKET = "x-llm-ticket"  # what the service sets so that Envoy logs the request 
 
 
 class NullProcessor(pb_grpc.ExternalProcessorServicer):
-    def __init__(self, cluster: str) -> None:
+    def __init__(self, clusters: Sequence[str], busy_us: float = 0.0) -> None:
+        self.busy_s = busy_us / 1e6
+        self.headers_reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+        self.body_replies = [self._body_reply(c) for c in clusters]  # taken in turn, as Envoy's round robin
+        self.turn = 0
+
+    @staticmethod
+    def _body_reply(cluster: str) -> pb.ProcessingResponse:
         value = core.HeaderValue(key=HEADER, raw_value=cluster.encode())
         ticket = core.HeaderValue(key=TICKET, raw_value=b"null")
         route = pb.HeaderMutation(
             set_headers=[core.HeaderValueOption(header=value), core.HeaderValueOption(header=ticket)]
         )
-        self.headers_reply = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-        self.body_reply = pb.ProcessingResponse(
+        return pb.ProcessingResponse(
             request_body=pb.BodyResponse(
                 response=pb.CommonResponse(header_mutation=route, clear_route_cache=True)
             )
@@ -55,8 +65,18 @@ class NullProcessor(pb_grpc.ExternalProcessorServicer):
                 if msg.request_headers.end_of_stream:  # no body: routed on the headers
                     return
             elif msg.HasField("request_body") and msg.request_body.end_of_stream:
-                await context.write(self.body_reply)
+                if self.busy_s:
+                    _spin(self.busy_s)
+                self.turn = (self.turn + 1) % len(self.body_replies)
+                await context.write(self.body_replies[self.turn])
                 return
+
+
+def _spin(seconds: float) -> None:
+    """CPU time, not a sleep: the stand-in for a decision's work holds the loop as one would."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 class NullAccessLog(als_pb2_grpc.AccessLogServiceServicer):
@@ -70,9 +90,9 @@ class NullAccessLog(als_pb2_grpc.AccessLogServiceServicer):
         return als_pb2.StreamAccessLogsResponse()
 
 
-async def serve(port: int, cluster: str) -> None:
+async def serve(port: int, clusters: Sequence[str], busy_us: float = 0.0) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_ExternalProcessorServicer_to_server(NullProcessor(cluster), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(NullProcessor(clusters, busy_us), server)
     als_pb2_grpc.add_AccessLogServiceServicer_to_server(NullAccessLog(), server)
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
@@ -91,9 +111,12 @@ async def serve(port: int, cluster: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--cluster", required=True, help="the destination cluster every request gets")
+    ap.add_argument("--cluster", required=True, help="the destination cluster, or a comma list taken in turn")
+    ap.add_argument(
+        "--busy-us", type=float, default=0.0, help="CPU microseconds spent before each body reply"
+    )
     args = ap.parse_args(argv)
-    asyncio.run(serve(args.port, args.cluster))
+    asyncio.run(serve(args.port, args.cluster.split(","), args.busy_us))
     return 0
 
 

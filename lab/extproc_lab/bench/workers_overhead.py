@@ -9,7 +9,8 @@ Configurations run one after another; the direct baseline runs first and last (t
 reference), which bounds drift from other load on the machine. A do-nothing Python processor
 (extproc_lab.bench.null_processor: the same message exchange, no routing work) runs in the service's
 place too: the floor any Python processor sets on this machine, which the service's throughput and
-CPU are judged against.
+CPU are judged against; with `null_busy_us`, once more spending that much CPU a request (the floor of
+a processor whose only work is a decision of that cost).
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ class NullProcess(ServiceProcess):
     """The do-nothing processor on a service's port (so Envoy's llm-extproc cluster reaches it)."""
 
     cluster = "gpu-a"
+    busy_us = 0.0
 
     def start(self, timeout: float = 20.0) -> None:
         log = self.log_path.open("ab")
         command = [sys.executable, "-m", "extproc_lab.bench.null_processor", "--port", str(self.port)]
-        command += ["--cluster", self.cluster]
+        command += ["--cluster", self.cluster, "--busy-us", str(self.busy_us)]
         self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_port("127.0.0.1", self.port, timeout)
@@ -127,6 +129,7 @@ async def run_workers_overhead(
     same_prompt: bool = False,
     engines: int = 1,
     prompt_words: int = 800,
+    null_busy_us: float | None = None,
     out_dir: Path = Path("out/overhead-workers"),
 ) -> int:
     find_envoy()
@@ -195,17 +198,25 @@ async def run_workers_overhead(
         await baseline("first")
         service_cfg = _service_config(clusters, redis.url)
         shipped, envoy_edit = n_clusters(clusters)
-        null_gw = LocalGateway(out_dir / "null", clusters=shipped, service=service_cfg, envoy_edit=envoy_edit)
-        service = null_gw.service
-        null_gw.services = [NullProcess({}, service.port, service.log_path)]
-        null_gw.service = null_gw.services[0]
-        try:
-            await asyncio.to_thread(null_gw.start)
-            assert null_gw.service.proc is not None and null_gw.envoy.proc is not None
-            pids = [null_gw.service.proc.pid]
-            await measure("do-nothing Python processor", null_gw.url, pids, null_gw.envoy.proc.pid, -1)
-        finally:
-            await asyncio.to_thread(null_gw.stop)
+        for busy in (0.0, *([null_busy_us] if null_busy_us else [])):
+            name = "do-nothing Python processor" + (f" + {busy:g} us busy" if busy else "")
+            null_gw = LocalGateway(
+                out_dir / f"null-{busy:g}", clusters=shipped, service=service_cfg, envoy_edit=envoy_edit
+            )
+            service = null_gw.service
+            processor = NullProcess({}, service.port, service.log_path)
+            processor.busy_us = busy
+            processor.cluster = ",".join(clusters)  # each engine in turn, as the service spreads them
+            null_gw.services = [processor]
+            null_gw.service = processor
+            try:
+                await asyncio.to_thread(null_gw.start)
+                assert processor.proc is not None and null_gw.envoy.proc is not None
+                await measure(
+                    name, null_gw.url, [processor.proc.pid], null_gw.envoy.proc.pid, -2 if busy else -1
+                )
+            finally:
+                await asyncio.to_thread(null_gw.stop)
         for n in workers:
             gw = LocalGateway(
                 out_dir / f"workers-{n}",
