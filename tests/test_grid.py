@@ -294,6 +294,10 @@ def test_stability_targets() -> None:
     # 0.85x < geomean <= 1.2x: within the bound every cell must meet, short of the one off the floor
     _, near = evaluate(rows((110, 900, 2100)), rr_unloaded_p90_ms=500, cold_prefill_ms=50, stability=True)
     assert near["geomean"] == "MISS" and near["worst"] == "PASS"
+    # our policy alone (`--policies llm-extproc`): nothing to compare with, nothing missed
+    alone = {OURS: rows((80, 500, 1500))[OURS]}
+    _, none = evaluate(alone, rr_unloaded_p90_ms=500, cold_prefill_ms=50, stability=True)
+    assert none == {"p90/LR": "n/a", "tok/s/RR": "n/a", "geomean": "n/a", "worst": "n/a", "errors": "PASS"}
 
 
 def test_the_service_learns_the_engines_count_in_the_discrete_event_mode() -> None:
