@@ -149,7 +149,7 @@ def test_finish_releases_counts_and_tells_plugins_exactly_once() -> None:
 
 
 def test_plugins_are_timed_on_a_sample_of_decisions() -> None:
-    from extproc.lifecycle.router import PLUGIN_TIMING_EVERY
+    from extproc.telemetry.metrics import PLUGIN_TIMING_EVERY
 
     lc = lifecycle_with(Learner())
     for _ in range(2 * PLUGIN_TIMING_EVERY + 1):

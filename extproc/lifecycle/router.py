@@ -41,6 +41,7 @@ from extproc.scheduling import Profile, profile_from_config
 from extproc.scheduling.explain import DecisionLog, Explanation, new_explanation
 from extproc.settings import FALLBACK_PROFILE
 from extproc.telemetry import Metrics
+from extproc.telemetry.metrics import PLUGIN_TIMING_EVERY
 from extproc.tokenization import (
     ChatTemplateError,
     PromptTooLong,
@@ -58,10 +59,6 @@ ENGINE_PRIORITY_APIS = frozenset({Api.CHAT, Api.COMPLETION})
 # on the request path").
 OFFLOAD_HASH_BLOCKS = 256
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32 (extproc.tokenization.hashing)
-# Plugins are timed (llm_extproc_plugin_seconds) on one decision in this many: each observation takes
-# a locked histogram's update, one per plugin call, which summed to a fifth of a small decision's cost;
-# a sample of decisions gives the same distribution.
-PLUGIN_TIMING_EVERY = 8
 
 
 @dataclass(slots=True)
@@ -384,7 +381,7 @@ class RequestLifecycle:
         timer = None
         self._untimed -= 1
         if self._untimed < 0:
-            self._untimed = PLUGIN_TIMING_EVERY - 1
+            self._untimed = PLUGIN_TIMING_EVERY - 1  # telemetry/metrics.py: why a sample
             timer = self.metrics.observe_plugin
         profile.prepare(request, candidates, self.state, timer)
         fallbacks = self.config.fallbacks  # the next-best by total score (endpoints.py)
