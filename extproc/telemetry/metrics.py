@@ -112,8 +112,9 @@ class _LoopFailures:
 
 # Decision latency is tens of microseconds to a few milliseconds; buckets cover both ends.
 # Plugins are timed (llm_extproc_plugin_seconds) on one decision in this many: each observation is a
-# locked histogram update, one per plugin call (7 a decision with the default profile), which took
-# ~8 % of a 1k-word decision; a sample of decisions gives the same distribution.
+# locked histogram update, one per plugin call, a measurable share of a small decision
+# (notebook/benchmarks-history.md, "A full batch's turnover, and the decision's CPU"); a sample of
+# decisions gives the same distribution.
 PLUGIN_TIMING_EVERY = 8
 _PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.01)
 _TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
