@@ -301,7 +301,10 @@ async def test_dead_worker_fails_one_body_with_503_then_the_next_works() -> None
         # A worker that dies while idle is replaced without failing anyone.
         for pid in lc.bodies.pids():
             os.kill(pid, signal.SIGKILL)
-        await asyncio.sleep(0.2)
+        # Until the event loop has seen them exit (a fixed sleep was too short on a busy machine).
+        deadline = time.monotonic() + 30
+        while any(w.alive for w in lc.bodies._all) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         d = await lc.route_async(head(), ok)
         assert d.request.model == "m" and lc.bodies.stats.worker_failures == 1
     finally:

@@ -36,6 +36,7 @@ def test_vllm() -> None:
     assert load.tpot_count == 6.0
     assert load.prompt_tokens == 201877.0  # cached tokens included: the publisher subtracts the hits
     assert load.prefill_seconds == 1.125  # request_prefill_time_seconds_sum, read as a counter
+    assert load.preemptions == 3.0  # num_preemptions_total: voids the prefill-rate samples it spans
     assert load.models == ["meta-llama/Llama-3.1-8B-Instruct"]  # http_requests_total has no model
     assert isinstance(load.kv_blocks_total, int) and isinstance(load.block_size, int)
 

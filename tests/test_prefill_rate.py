@@ -76,6 +76,36 @@ def test_an_idle_figure_relaxes_towards_the_best_shown_and_no_further() -> None:
     assert r.update(tokens + 1_000, 0, seconds + 1.0) == pytest.approx(1_000)
 
 
+def test_a_preemption_voids_the_samples_it_spans() -> None:
+    """A request preempted before its first token keeps its first scheduling time and has its cached
+    blocks counted as hits again: the interval reads far below the GPU's rate. Where the engine
+    counts preemptions, no sample is taken over one, and the next span begins after it."""
+    r = PrefillRate(window=4, quantile=1.0, span=1)
+    r.update(0, 0, 0.0, 0)
+    assert r.update(2_000, 0, 1.0, 0) == pytest.approx(2_000)
+    # 1k prompt tokens, 900 of them counted as hits (again), over 4 s of prefill time: 25 tokens/s.
+    assert r.update(3_000, 900, 5.0, 1) == pytest.approx(2_000)
+    assert r.update(5_000, 900, 6.0, 1) == pytest.approx(2_000)  # after it: a sample again
+    assert list(r._samples) == [2_000, 2_000]
+    # Without the counter the same interval is a sample (quantile 0: the lowest, to show it).
+    blind = PrefillRate(window=4, quantile=0.0, span=1)
+    blind.update(0, 0, 0.0)
+    blind.update(2_000, 0, 1.0)
+    assert blind.update(3_000, 900, 5.0) == pytest.approx(25)
+
+
+def test_intervals_of_cache_hits_are_no_samples() -> None:
+    """Hits counted ahead of their prompts (or a window of hits only) say nothing about the speed:
+    they are not zeros in the window that pull its quantile down to the one slow sample left."""
+    r = PrefillRate(window=10, quantile=0.5, span=1)
+    r.update(0, 0, 0.0)
+    r.update(2_000, 0, 1.0)
+    for i in range(2, 8):  # hits only, or more hits than prompt tokens
+        r.update(2_000 + 10 * i, 100 * i, float(i))
+    assert list(r._samples) == [2_000]
+    assert r.estimate == pytest.approx(2_000)
+
+
 def test_windows_of_cache_hits_only_keep_the_last_figure() -> None:
     r = PrefillRate(window=2, quantile=0.9, span=1)
     r.update(0, 0, 0.0)

@@ -341,6 +341,15 @@ def test_prefill_rate_from_vllm_counters_subtracts_cache_hits() -> None:
     # Without the hit counter vLLM's prompt counter says nothing about uncached work: no new figure.
     blind = EngineLoad(prompt_tokens=40_000, prefill_seconds=6.0)
     assert fill(blind, prev, "vllm").prefill_tokens_per_s == pytest.approx(2_000)
+    # An interval with a preemption is no sample (its prefill seconds count time back in the queue).
+    fill(
+        EngineLoad(prompt_tokens=19_000, prefix_cache_hits=7_000, prefill_seconds=5.0, preemptions=0),
+        prev,
+        "vllm",
+    )
+    slow = EngineLoad(prompt_tokens=20_000, prefix_cache_hits=7_900, prefill_seconds=9.0, preemptions=2)
+    assert fill(slow, prev, "vllm").prefill_tokens_per_s == pytest.approx(2_000)
+    assert list(prev.prefill._samples) == [pytest.approx(2_000)]  # the 25 tokens/s interval not taken
 
 
 def test_prefill_rate_from_llamacpp_counters_has_no_hits_to_subtract() -> None:

@@ -49,6 +49,7 @@ class EngineLoad:
     tpot_count: float | None = None
     prompt_tokens: float | None = None  # prompt tokens processed (cached ones too where the table says)
     prefill_seconds: float | None = None  # summed per-request prefill time
+    preemptions: float | None = None  # requests preempted (a prefill-rate sample over one is void)
     models: list[str] = field(default_factory=list)  # from the engine's own series only
     lora_adapters: list[str] = field(default_factory=list)  # running or waiting, newest report
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (field, reason) per unusable value
@@ -110,6 +111,7 @@ class EngineMetrics:
     prompt_tokens: Candidates = ()
     prefill_seconds: Candidates = ()
     prompt_tokens_cached: bool = True
+    preemptions: Candidates = ()  # a counter; intervals with preemptions give no prefill-rate sample
     model_labels: tuple[str, ...] = ()  # labels naming the served model, first present wins
     lora_info: tuple[str, ...] = ()  # info gauges listing LoRA adapters (vLLM's lora_requests_info)
     metrics_path: str = "/metrics"  # where the engine serves Prometheus text by default
@@ -134,6 +136,9 @@ class EngineMetrics:
 # - prompt_tokens_total counts every prompt token, cached ones included (prefix_cache_hits_total is
 #   subtracted for the prefill rate); request_prefill_time_seconds is the per-request time from first
 #   scheduled to first token (V1 "PREFILL phase", docs/design/metrics.md), its `_sum` read as a counter.
+# - num_preemptions ("Cumulative number of preemption from the engine", a counter): a request preempted
+#   before its first token keeps its first scheduling time and has its hits counted again, so the
+#   prefill rate takes no sample over an interval where it moved.
 # Not offered: kv_blocks_free (usage x total is the caller's estimate), max_model_len, gpu_utilization.
 _VLLM = EngineMetrics(
     num_running=_m("vllm:num_requests_running"),
@@ -148,6 +153,7 @@ _VLLM = EngineMetrics(
     tpot=_m("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     prompt_tokens=_m("vllm:prompt_tokens_total"),
     prefill_seconds=_m("vllm:request_prefill_time_seconds_sum"),
+    preemptions=_m("vllm:num_preemptions_total"),
     model_labels=("model_name",),
     lora_info=("vllm:lora_requests_info",),
     max_lora=_m("vllm:lora_requests_info", label="max_lora"),

@@ -136,7 +136,7 @@ def _fill_load(snap: spb.UpstreamSnapshot, load: EngineLoad, prev: _Previous) ->
     if row is not None:
         cached = load.prefix_cache_hits if row.prompt_tokens_cached else 0.0
         if cached is not None:
-            prev.prefill.update(load.prompt_tokens, cached, load.prefill_seconds)
+            prev.prefill.update(load.prompt_tokens, cached, load.prefill_seconds, load.preemptions)
     if prev.prefill.estimate is not None:  # the last figure stands while nothing new is measured
         snap.prefill_tokens_per_s = prev.prefill.estimate
     # The counters readers calibrate against (scheduling/calibration.py): every prompt token, cached

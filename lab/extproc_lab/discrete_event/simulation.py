@@ -294,7 +294,7 @@ class ExtprocPolicy:
             rate = None
             if self.prefill_counters:
                 rate = self._prefill_rates[i].update(
-                    e.prompt_tokens_total, e.prefix_cache_hits, e.prefill_time_sum
+                    e.prompt_tokens_total, e.prefix_cache_hits, e.prefill_time_sum, e.preemptions_total
                 )
             snap = spb.UpstreamSnapshot(
                 upstream_id=f"engine-{i}/{_address(i)}",
