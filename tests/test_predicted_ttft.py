@@ -17,6 +17,7 @@ from extproc.lifecycle import RequestLifecycle
 from extproc.openai import Api, InferenceRequest
 from extproc.openai.parse import parse_head
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
+from extproc.scheduling.ttft_predictor import ROOM_WAIT_FLOOR, TtftPredictor
 from extproc.settings import ConfigError
 from extproc.telemetry import Metrics
 from extproc.tokenization import block_hashes
@@ -437,3 +438,62 @@ def test_ranking_depth_probes_few_blocks_and_is_exact_for_a_prefix_cache() -> No
     # A hole the probes skip is not seen (ranking only: kept candidates are matched exactly).
     hashes = [bytes([i]) for i in range(8)]
     assert _leading(hashes, {*hashes[:2], *hashes[3:]}.__contains__) == 8
+
+
+class _Turning(_CountsOnly):
+    """_CountsOnly whose engines' batches turn over at known rates (first tokens a second)."""
+
+    def __init__(self, counts: dict[str, int], turnover: dict[str, float | None]) -> None:
+        super().__init__(counts)
+        self.turnover = turnover
+
+    def batch(
+        self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
+    ) -> tuple[float, float | None, float | None]:
+        return 0.0, None, self.turnover[upstream_id]
+
+
+def test_a_full_cache_costs_the_request_its_wait_for_room_and_the_rest_is_a_placement_cost() -> None:
+    """Where the KV not pinned cannot hold the prompt, the request's own predicted TTFT (the prepared
+    figure admission and slo-ttft read) carries the wait for running requests to free the blocks,
+    shorter where the batch turns over faster; the score still charges `room_penalty_s` in all (the
+    rest as crowding, a cost to the engine's other requests), so placement is as with a flat penalty."""
+    fast, slow = Upstream("fast", "fast", None, 1.0), Upstream("slow", "slow", None, 1.0)
+    counts = {"fast": 3, "slow": 3}
+    timed: Any = _Turning(counts, {"fast": 20.0, "slow": 0.5})
+    unknown: Any = _Turning(counts, {"fast": None, "slow": None})
+    scorer = PredictedTtftScorer(default_kv_tokens=64 * 40, room_penalty_s=1.0)
+
+    def req(ids: list[int]) -> InferenceRequest:
+        return InferenceRequest(Api.CHAT, "m", False, 4, "", ids, None, None, 0, 0)
+
+    for u in (fast, slow):  # three running requests pin 33 of the 40 blocks on each
+        for t in range(3):
+            running = req(list(range(1_000 * (t + 1), 1_000 * (t + 1) + 64 * 10)))
+            scorer._placed_costs(running, (u,), timed)
+            scorer.on_pick(running, u, timed)
+    request = req(list(range(90_000, 90_000 + 64 * 20)))
+    costs = scorer._placed_costs(request, (fast, slow), timed)
+    facts = dict(scorer.predictor._last.facts)
+    flat_costs = scorer._placed_costs(request, (fast, slow), unknown)
+    flat = scorer.predictor._last.facts
+    assert facts["fast"].own < facts["slow"].own == flat["slow"].own  # 0.5/s: the whole penalty
+    assert facts["fast"].own + facts["fast"].crowding == pytest.approx(flat["fast"].own)
+    assert facts["fast"].crowding >= 0.5 and flat["fast"].crowding == 0.0
+    assert costs == pytest.approx(flat_costs)  # the same placement
+    request.prepared = {}
+    scorer.prepare(request, (fast, slow), timed)
+    assert request.prepared["predicted-ttft"]["fast"] == pytest.approx(facts["fast"].own)
+
+
+def test_the_kv_room_wait_is_the_time_to_free_the_blocks_a_request_lacks() -> None:
+    """8 running requests pin 400 blocks, 50 each: a request lacking 100 blocks waits for 2 of them
+    to finish, 0.5 s at 4 first tokens a second; within ROOM_WAIT_FLOOR-1x room_penalty_s, and the
+    whole penalty while the turnover is unknown or nothing runs."""
+    predictor = TtftPredictor(room_penalty_s=1.0)
+    state: Any = _Turning({}, {"u": 4.0, "fast": 400.0, "slow": 0.5, "new": None})
+    assert predictor._room_wait("u", 100, 8, 400, state) == pytest.approx(0.5)
+    assert predictor._room_wait("slow", 100, 8, 400, state) == 1.0  # 4 s: at most the penalty
+    assert predictor._room_wait("fast", 100, 8, 400, state) == pytest.approx(ROOM_WAIT_FLOOR)
+    assert predictor._room_wait("new", 100, 8, 400, state) == 1.0
+    assert predictor._room_wait("u", 100, 0, 0, state) == 1.0

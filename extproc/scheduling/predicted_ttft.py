@@ -79,7 +79,9 @@ class PredictedTtftScorer:
     # Until an engine's prefill rate is measured, its GPU's nominal speed (snapshots' gpu_model,
     # fleet/gpus.py) orders it against the others; off: an unmeasured engine counts as the fastest.
     gpu_prior: bool = True
-    room_penalty_s: float = 1.0  # added when free KV cannot hold the uncached tokens
+    # Charged when free KV cannot hold the uncached tokens: the wait for room in the request's own
+    # TTFT, the rest as a placement cost (TtftPredictor._room_wait).
+    room_penalty_s: float = 1.0
     # Pools larger than this are pre-selected (`_preselect`): the candidates holding the longest
     # prefix of the prompt plus a random sample of the others, up to this many, are predicted in
     # full and the rest score 0, so a decision's cost stops growing with the pool (0: predict all).
@@ -176,7 +178,7 @@ class PredictedTtftScorer:
                 predicted.append(math.inf)
                 continue
             rate = f.own_rate  # what the prediction used (this service's tokens per second)
-            ttft = f.own + self.evict_weight * f.evicted * bt / rate
+            ttft = f.own + f.crowding + self.evict_weight * f.evicted * bt / rate
             m = f.matched
             if best_matched > m:
                 # A copy of a prefix another candidate holds costs only where the cache has no room

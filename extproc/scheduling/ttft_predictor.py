@@ -56,6 +56,10 @@ BYTES_PER_TOKEN = 4  # the estimate used when a request carries no token ids (se
 MAX_TRACKED = 200_000  # routed requests remembered until they finish
 SENT_WINDOW_S = 60.0  # recent sends kept per upstream
 MAX_DEMAND_KEYS = 100_000  # prefix ends whose recent demand is counted (copy_demand), least recent out
+# The least share of `room_penalty_s` a request's own KV-room wait is, however fast the engine turns
+# its batch over (notebook/benchmarks-history.md, "Preemptions in the measured prefill rate, and the
+# KV-room wait").
+ROOM_WAIT_FLOOR = 0.1
 
 
 @dataclass(slots=True)
@@ -96,6 +100,7 @@ class Facts:
     own_rate: float  # its prefill tokens/s, this service's count (rate over the token ratio)
     over: bool  # the placement would evict (the cache has no room for it)
     fill: float  # the share of its cache in use
+    crowding: float = 0.0  # the room penalty beyond the wait for room: what a full engine costs others
 
 
 @dataclass(slots=True)
@@ -315,8 +320,12 @@ class TtftPredictor:
             ttft += slot_wait(state, u.id)
             cache = model.cache
             new_blocks = len(pred.hashes) - m + new_output
-            if new_blocks > cache.capacity_blocks - cache.pinned_blocks:
-                ttft += self.room_penalty_s
+            deficit = new_blocks - (cache.capacity_blocks - cache.pinned_blocks)
+            crowding = 0.0
+            if deficit > 0:
+                wait = self._room_wait(u.id, deficit, running, cache.pinned_blocks, state)
+                ttft += wait
+                crowding = self.room_penalty_s - wait
             over = max(0, cache.used_blocks + new_blocks - cache.capacity_blocks)
             evicted = min(over, cache.used_blocks - cache.pinned_blocks)
             facts[u.id] = Facts(
@@ -329,9 +338,27 @@ class TtftPredictor:
                 own_rate=rate,
                 over=over > 0,
                 fill=cache.used_blocks / cache.capacity_blocks,
+                crowding=crowding,
             )
             if figures is not None:
                 figures[u.id] = ttft
+
+    def _room_wait(
+        self, upstream_id: str, deficit: int, running: int, pinned: int, state: FleetState
+    ) -> float:
+        """Seconds until the engine frees the KV blocks a request lacks: the requests that must finish
+        first (the deficit over the blocks one of them pins) over the requests a second that get their
+        first token there (the batch's turnover, fleet/batch.py), within ROOM_WAIT_FLOOR-1x
+        `room_penalty_s`; the penalty itself while the turnover is unknown. A fast engine with a full
+        cache is nearer to room than a slow one: where critical requests are placed by their own
+        predicted TTFT, charged the flat penalty they left the H100s of a mixed fleet for A10G queues."""
+        penalty = self.room_penalty_s
+        if running <= 0 or pinned <= 0:
+            return penalty
+        turnover = state.batch(upstream_id)[2]
+        if not turnover:
+            return penalty
+        return min(penalty, max(ROOM_WAIT_FLOOR * penalty, deficit * running / (turnover * pinned)))
 
     def _preselect(
         self,
