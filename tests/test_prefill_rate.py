@@ -87,6 +87,9 @@ def test_a_preemption_voids_the_samples_it_spans() -> None:
     assert r.update(3_000, 900, 5.0, 1) == pytest.approx(2_000)
     assert r.update(5_000, 900, 6.0, 1) == pytest.approx(2_000)  # after it: a sample again
     assert list(r._samples) == [2_000, 2_000]
+    # A preemption counter that goes backwards (a restart) restarts the deltas, not the estimate.
+    assert r.update(7_000, 900, 7.0, 0) == pytest.approx(2_000)
+    assert r.update(9_000, 900, 8.0, 0) == pytest.approx(2_000) and len(r._samples) == 3
     # Without the counter the same interval is a sample (quantile 0: the lowest, to show it).
     blind = PrefillRate(window=4, quantile=0.0, span=1)
     blind.update(0, 0, 0.0)

@@ -100,7 +100,7 @@ class Facts:
     own_rate: float  # its prefill tokens/s, this service's count (rate over the token ratio)
     over: bool  # the placement would evict (the cache has no room for it)
     fill: float  # the share of its cache in use
-    crowding: float = 0.0  # the room penalty beyond the wait for room: what a full engine costs others
+    crowding: float  # the room penalty beyond the wait for room: what a full engine costs others
 
 
 @dataclass(slots=True)
