@@ -1,7 +1,8 @@
 """Service configuration: one YAML file (plus a few CLI overrides) turned into the running objects.
 
-Per-route tuning belongs in envoy.yaml; this file supplies the defaults and the pool. The defaults
-themselves and the value checks live in `extproc.settings`.
+Per-route tuning belongs in envoy.yaml; this file supplies the defaults and the pool. The schema (the
+settings records, their declared checks and defaults) lives in `extproc.settings`; here the sections
+are assembled, with the pool, the profiles and the tokenizers that other layers parse.
 """
 
 from __future__ import annotations
@@ -13,18 +14,12 @@ from typing import Any
 
 import yaml
 
-from extproc.discovery.settings import DiscoverySettings, KubernetesDiscovery, discovery_settings
 from extproc.fleet import Pool, RoutingMode, pool_from_config
 from extproc.fleet.pool import CLUSTER_KEYS
 from extproc.scheduling import Profile, profile_from_config
-from extproc.scheduling.explain import EXPLAIN_KEYS, ExplainSettings, explain_settings
 from extproc.scheduling.framework import ENTRY_KEYS, SCORER_ENTRY_KEYS
 from extproc.settings import (
     CLASS_NAMES,
-    DEFAULT_BODY_OFFLOAD_BYTES,
-    DEFAULT_BODY_TRIM_INTERVAL_S,
-    DEFAULT_BODY_WORKER_NICE,
-    DEFAULT_BODY_WORKERS,
     DEFAULT_ENDPOINT_METADATA_NAMESPACE,
     DEFAULT_GRPC_MAX_MESSAGE_BYTES,
     DEFAULT_LEASE_TIMEOUT_S,
@@ -39,104 +34,37 @@ from extproc.settings import (
     ENV_REDIS_PASSWORD,
     MAX_SHUTDOWN_ANNOUNCE_S,
     RELEASE_MODES,
+    REQUIRED,
     AdmissionSettings,
+    BodySettings,
+    Check,
     ConfigError,
+    DiscoverySettings,
     EnginePriority,
+    ExplainSettings,
     HeaderNames,
+    KubernetesDiscovery,
     RedisSettings,
+    SyncSettings,
     TlsSettings,
     admission_settings,
-    boolean,
     check_keys,
+    checks,
+    defaults,
+    discovery_settings,
     engine_priority_settings,
-    integer,
-    listen_address,
+    explain_settings,
     mapping,
-    number,
     redis_settings,
-    string,
+    section,
+    setting,
+    sync_settings,
     tls_settings,
+    yaml_keys,
 )
 from extproc.tokenization import TokenizerRegistry
 from extproc.tokenization import from_config as tokenizers_from_config
 from extproc.tokenization.config import TOKENIZER_KEYS
-
-
-@dataclass(slots=True, frozen=True)
-class BodySettings:
-    """How request bodies are parsed (`bodies:` in the YAML; see settings and lifecycle/bodies.py)."""
-
-    offload_bytes: int = DEFAULT_BODY_OFFLOAD_BYTES
-    """Bodies at least this big are parsed in a worker process, smaller ones on the event loop."""
-    workers: int = DEFAULT_BODY_WORKERS
-    """Worker processes, started as big bodies need them: also the most big bodies parsed at once
-    (the others wait their turn, never holding the event loop)."""
-    trim_interval_s: float = DEFAULT_BODY_TRIM_INTERVAL_S
-    """Hand freed memory back to the OS this long after big bodies stop; 0: never (glibc defaults)."""
-    worker_nice: int = DEFAULT_BODY_WORKER_NICE
-    """CPU niceness of the workers (0-19): big bodies yield CPU to the event loop."""
-
-
-def _bodies(raw: Any) -> BodySettings:
-    where = "config: 'bodies'"
-    section = mapping(raw, where)
-    check_keys(section, BodySettings.__dataclass_fields__, where)
-    values: dict[str, Any] = {}
-    for key in ("offload_bytes", "workers"):
-        if key in section:
-            values[key] = integer(section[key], f"{where}.{key}", minimum=1)
-    if "worker_nice" in section:
-        nice = integer(section["worker_nice"], f"{where}.worker_nice", minimum=0)
-        if nice > 19:
-            raise ConfigError(f"{where}.worker_nice must be an integer from 0 to 19, got {nice}")
-        values["worker_nice"] = nice
-    if "trim_interval_s" in section:
-        values["trim_interval_s"] = number(section["trim_interval_s"], f"{where}.trim_interval_s", minimum=0)
-    return BodySettings(**values)
-
-
-@dataclass(slots=True, frozen=True)
-class SyncSettings:
-    """Replicas sharing their decisions through the fleet's Redis (`sync:`; server/sync.py,
-    docs/fleet-state.md "Shared state between replicas")."""
-
-    enabled: bool = True
-    """On by default whenever `fleet:` configures Redis; without Redis there is nothing to share."""
-    interval_s: float = 0.02
-    """How often this replica publishes its decisions (when it has any)."""
-    heartbeat_s: float = 0.5
-    """The longest silence: an idle replica still publishes its in-flight counts this often."""
-    expire_s: float = 3.0
-    """Another replica's counts (and pinned cache blocks) are dropped after this long without a word."""
-    max_message_bytes: int = 512 * 1024
-    max_updates_per_s: int = 20_000
-    """Beyond these, updates are dropped (counted) and peers release what this replica pinned."""
-    state_interval_s: float = 5.0
-    """How often the learnt state is written to Redis for a replica that starts late."""
-    key_file: str | None = None
-    """A file holding the replicas' shared HMAC key (else $LLM_EXTPROC_SYNC_KEY; never the key in
-    the YAML): messages and state dumps are signed, unsigned or forged ones dropped (server/sync.py)."""
-
-
-def _sync(raw: Any, base_dir: str | os.PathLike[str] | None = None) -> SyncSettings:
-    where = "config: 'sync'"
-    section = mapping(raw, where)
-    check_keys(section, SyncSettings.__dataclass_fields__, where)
-    values: dict[str, Any] = {}
-    if "enabled" in section:
-        values["enabled"] = boolean(section["enabled"], f"{where}.enabled")
-    for key in ("interval_s", "heartbeat_s", "expire_s", "state_interval_s"):
-        if key in section:
-            values[key] = number(section[key], f"{where}.{key}", positive=True)
-    for key in ("max_message_bytes", "max_updates_per_s"):
-        if key in section:
-            values[key] = integer(section[key], f"{where}.{key}", minimum=1)
-    if section.get("key_file") is not None:  # relative: to the config file's folder
-        values["key_file"] = str(Path(base_dir or ".") / string(section["key_file"], f"{where}.key_file"))
-    settings = SyncSettings(**values)
-    if settings.expire_s <= settings.heartbeat_s:
-        raise ConfigError(f"{where}.expire_s must exceed heartbeat_s (a live replica would expire)")
-    return settings
 
 
 @dataclass(slots=True)
@@ -145,21 +73,23 @@ class ServiceConfig:
     profile: Profile
     """The default profile; routes may select another from `profiles` (see PROFILE_METADATA_KEY)."""
     profiles: dict[str, Profile] = field(default_factory=dict)
-    listen: str = DEFAULT_LISTEN
-    metrics_listen: str | None = DEFAULT_METRICS_LISTEN
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    grpc_max_message_bytes: int = 0
-    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
-    shutdown_announce_s: float = DEFAULT_SHUTDOWN_ANNOUNCE_S
+    listen: str = setting(DEFAULT_LISTEN, Check("listen"))
+    metrics_listen: str | None = setting(DEFAULT_METRICS_LISTEN, Check("listen", nullable=True))
+    max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES, Check("integer", minimum=1))
+    grpc_max_message_bytes: int = setting(0, Check("integer", minimum=0))
+    shutdown_grace_s: float = setting(DEFAULT_SHUTDOWN_GRACE_S, Check("number", minimum=0))
+    shutdown_announce_s: float = setting(
+        DEFAULT_SHUTDOWN_ANNOUNCE_S, Check("number", minimum=0, maximum=MAX_SHUTDOWN_ANNOUNCE_S)
+    )
     """On SIGTERM: NOT_SERVING but still accepting streams this long, before the drain (settings)."""
-    release_on: str = DEFAULT_RELEASE_ON
+    release_on: str = setting(DEFAULT_RELEASE_ON, Check("choice", choices=RELEASE_MODES))
+    """How a routed request's end is learnt: `stream_end` or `access_log` (see settings)."""
     tls: TlsSettings | None = None
     """TLS, and with a client CA mTLS, on the gRPC port (`tls:`; settings.TlsSettings)."""
-    """How a routed request's end is learnt: `stream_end` or `access_log` (see settings)."""
-    lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S
+    lease_timeout_s: float = setting(DEFAULT_LEASE_TIMEOUT_S, Check("number", minimum=1))
     headers: HeaderNames = field(default_factory=HeaderNames)
-    endpoint_metadata_namespace: str = DEFAULT_ENDPOINT_METADATA_NAMESPACE
-    fallbacks: int = 0
+    endpoint_metadata_namespace: str = setting(DEFAULT_ENDPOINT_METADATA_NAMESPACE, Check("string"))
+    fallbacks: int = setting(0, Check("integer", minimum=0))
     """Endpoint mode: next-best endpoints listed after the pick, for the proxy's retries (0: none)."""
     discovery: DiscoverySettings | None = None
     """Endpoints learnt at run time (`discovery:`, extproc.discovery); None: the YAML's list only."""
@@ -222,56 +152,12 @@ _SECTIONS = (
 
 
 def _scalars(raw: dict[str, Any]) -> dict[str, Any]:
-    """The plain settings, each checked for type and range."""
-    out: dict[str, Any] = {}
-    if "listen" in raw:
-        out["listen"] = listen_address(raw["listen"], "config: 'listen'")
-    if "metrics_listen" in raw:
-        value = raw["metrics_listen"]
-        out["metrics_listen"] = None if value is None else listen_address(value, "config: 'metrics_listen'")
-    if "max_body_bytes" in raw:
-        out["max_body_bytes"] = integer(raw["max_body_bytes"], "config: 'max_body_bytes'", minimum=1)
-    if "grpc_max_message_bytes" in raw:
-        out["grpc_max_message_bytes"] = integer(
-            raw["grpc_max_message_bytes"], "config: 'grpc_max_message_bytes'", minimum=0
-        )
-    if "shutdown_grace_s" in raw:
-        out["shutdown_grace_s"] = number(raw["shutdown_grace_s"], "config: 'shutdown_grace_s'", minimum=0)
-    if "shutdown_announce_s" in raw:
-        out["shutdown_announce_s"] = number(
-            raw["shutdown_announce_s"],
-            "config: 'shutdown_announce_s'",
-            minimum=0,
-            maximum=MAX_SHUTDOWN_ANNOUNCE_S,
-        )
-    if "release_on" in raw:
-        value = string(raw["release_on"], "config: 'release_on'")
-        if value not in RELEASE_MODES:
-            raise ConfigError(f"config: 'release_on' must be one of {list(RELEASE_MODES)}, not {value!r}")
-        out["release_on"] = value
-    if "lease_timeout_s" in raw:
-        out["lease_timeout_s"] = number(raw["lease_timeout_s"], "config: 'lease_timeout_s'", minimum=1)
-    if "endpoint_metadata_namespace" in raw:
-        out["endpoint_metadata_namespace"] = string(
-            raw["endpoint_metadata_namespace"], "config: 'endpoint_metadata_namespace'"
-        )
-    if "fallbacks" in raw:
-        out["fallbacks"] = integer(raw["fallbacks"], "config: 'fallbacks'", minimum=0)
-    return out
+    """The top level's plain settings (ServiceConfig's declared fields), each checked."""
+    scalars = checks(ServiceConfig)
+    return {k: scalars[k].read(v, f"config: '{k}'") for k, v in raw.items() if k in scalars}
 
 
-_SCALAR_KEYS = (
-    "listen",
-    "metrics_listen",
-    "max_body_bytes",
-    "grpc_max_message_bytes",
-    "shutdown_grace_s",
-    "shutdown_announce_s",
-    "release_on",
-    "lease_timeout_s",
-    "endpoint_metadata_namespace",
-    "fallbacks",
-)
+_SCALAR_KEYS = tuple(checks(ServiceConfig))
 
 
 ANY = "*"  # service_keys(): a name the user chooses (a profile, a model), or a list's entries
@@ -287,7 +173,7 @@ def service_keys() -> dict[str, Any]:
         return dict.fromkeys(names)
 
     objectives = keys(CLASS_NAMES)
-    admission = keys(AdmissionSettings.__dataclass_fields__)
+    admission = keys(yaml_keys(AdmissionSettings))
     admission["objectives"] = {**objectives, "models": {ANY: objectives}}
     profile = {
         "filters": {ANY: keys(ENTRY_KEYS)},
@@ -299,17 +185,44 @@ def service_keys() -> dict[str, Any]:
         "routing": None,
         "pool": {"clusters": {ANY: keys(CLUSTER_KEYS)}},
         "scheduling": {"profile": None, "profiles": {ANY: profile}},
-        "headers": keys(HeaderNames.__dataclass_fields__),
-        "fleet": keys(RedisSettings.__dataclass_fields__),
+        "headers": keys(yaml_keys(HeaderNames)),
+        "fleet": keys(yaml_keys(RedisSettings)),
         "tokenizers": {ANY: keys(TOKENIZER_KEYS)},
-        "bodies": keys(BodySettings.__dataclass_fields__),
-        "sync": keys(SyncSettings.__dataclass_fields__),
-        "explain": keys(EXPLAIN_KEYS),
+        "bodies": keys(yaml_keys(BodySettings)),
+        "sync": keys(yaml_keys(SyncSettings)),
+        "explain": keys(yaml_keys(ExplainSettings)),
         "admission": admission,
-        "engine_priority": keys(EnginePriority.__dataclass_fields__),
-        "discovery": {"kubernetes": keys(KubernetesDiscovery.__dataclass_fields__)},
-        "tls": keys(TlsSettings.__dataclass_fields__),
+        "engine_priority": keys(yaml_keys(EnginePriority)),
+        "discovery": {"kubernetes": keys(yaml_keys(KubernetesDiscovery))},
+        "tls": keys(yaml_keys(TlsSettings)),
     }
+
+
+# The service YAML's sections read by their settings record's declarations ("": the top level).
+DECLARED_SECTIONS: dict[str, type] = {
+    "": ServiceConfig,
+    "headers": HeaderNames,
+    "fleet": RedisSettings,
+    "bodies": BodySettings,
+    "sync": SyncSettings,
+    "explain": ExplainSettings,
+    "admission": AdmissionSettings,
+    "engine_priority": EnginePriority,
+    "discovery.kubernetes": KubernetesDiscovery,
+}
+ROUTING = Check("choice", choices=tuple(m.value for m in RoutingMode))
+
+
+def service_schema() -> dict[str, tuple[Check, Any]]:
+    """Each key of the service YAML that a declaration checks, by dotted path: its Check and its
+    default (`REQUIRED` where it has none). The keys it leaves out (pool, profiles, tokenizers, tls
+    files, objectives, computed defaults) are read by their own parsers."""
+    schema: dict[str, tuple[Check, Any]] = {"routing": (ROUTING, RoutingMode.CLUSTER.value)}
+    for prefix, record in DECLARED_SECTIONS.items():
+        given = defaults(record)
+        for name, check in checks(record).items():
+            schema[f"{prefix}.{name}" if prefix else name] = (check, given.get(name, REQUIRED))
+    return schema
 
 
 def key_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
@@ -343,10 +256,7 @@ def config_from_dict(
     raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
     check_keys(raw, (*_SCALAR_KEYS, *_SECTIONS), "config")
     scalars = _scalars(raw)
-    try:
-        mode = RoutingMode(raw.get("routing", RoutingMode.CLUSTER.value))
-    except ValueError:
-        raise ConfigError(f"config: 'routing' must be one of {[m.value for m in RoutingMode]}") from None
+    mode = RoutingMode(ROUTING.read(raw.get("routing", RoutingMode.CLUSTER.value), "config: 'routing'"))
     pool_raw = mapping(raw.get("pool"), "config: 'pool'")
     check_keys(pool_raw, ("clusters",), "config: 'pool'")
     if not isinstance(pool_raw.get("clusters"), list):
@@ -373,11 +283,7 @@ def config_from_dict(
         raise ConfigError(f"config: scheduling profile '{chosen}' is not defined")
     built = {name: profile_from_config(name, spec) for name, spec in profiles.items()}
 
-    headers_raw = mapping(raw.get("headers"), "config: 'headers'")
-    check_keys(headers_raw, HeaderNames.__dataclass_fields__, "config: 'headers'")
-    headers = HeaderNames(
-        **{k: string(v, f"config: header name for '{k}'").lower() for k, v in headers_raw.items()}
-    )
+    headers = section(HeaderNames, raw.get("headers"), "config: 'headers'")
     fleet = None
     if raw.get("fleet") is not None:
         fleet = redis_settings(raw["fleet"], "config: 'fleet'", password_env=ENV_REDIS_PASSWORD)
@@ -400,8 +306,8 @@ def config_from_dict(
     return ServiceConfig(
         tls=tls,
         discovery=discovery,
-        bodies=_bodies(raw.get("bodies")),
-        sync=_sync(raw.get("sync"), base_dir),
+        bodies=section(BodySettings, raw.get("bodies"), "config: 'bodies'"),
+        sync=sync_settings(raw.get("sync"), base_dir),
         explain=explain_settings(raw.get("explain")),
         admission=_admission(raw.get("admission"), built[chosen]),
         engine_priority=engine_priority,

@@ -1,5 +1,6 @@
-"""Every default the service and the publisher start from, the settings records, and the checks that
-turn a YAML value into a setting (or a ConfigError that names the key).
+"""The configuration schema: every default the service and the publisher start from, the settings
+records of the YAML sections (each key's check declared on its field), and the checks that turn a
+YAML value into a setting (or a ConfigError that names the key).
 
 The bottom layer: it imports nothing from the rest of the package and nothing that talks to the
 network, so any layer (and a tool that only validates files) can read it.
@@ -11,14 +12,162 @@ import importlib.resources
 import ipaddress
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, TypeVar, cast
 from urllib.parse import unquote
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the key and what is wanted."""
+
+
+# -- the schema ------------------------------------------------------------------------------------
+# The settings records below are the schema of the YAML files: each field a user sets declares how
+# its value is checked (`setting(default, Check(...))`), and `section()` reads a YAML mapping into a
+# record by those declarations. The key tree that `check-config --keys` prints and that the docs are
+# checked against, and the defaults the docs show, come from the same fields (config.service_keys,
+# config.service_defaults). A field without a Check is read by its section's own parser: a file that
+# must exist, a nested mapping, a default computed at start-up.
+CHECK = "check"
+REQUIRED = "(required)"  # the default shown for a setting that has none
+R = TypeVar("R")
+
+
+@dataclass(slots=True, frozen=True)
+class Check:
+    """How one YAML value becomes a setting: a kind of the vocabulary below (`number`, `integer`,
+    `boolean`, `string`, `strings`, `choice`, `listen`, `header`), its bounds, and whether null is
+    accepted (as None: the setting unset)."""
+
+    kind: str
+    positive: bool = False
+    minimum: float | None = None
+    maximum: float | None = None
+    nullable: bool = False
+    choices: tuple[Any, ...] = ()
+    aliases: tuple[tuple[Any, Any], ...] = ()
+    """YAML values read as another (`explain.header: true` is `on_request`)."""
+    empty: bool = False
+    """`string`: "" accepted; `strings`: an empty list accepted."""
+
+    def read(self, value: Any, where: str) -> Any:
+        for alias, meant in self.aliases:
+            if value is alias or (type(value) is type(alias) and value == alias):
+                value = meant
+                break
+        if value is None and self.nullable:
+            return None
+        kind = self.kind
+        if kind == "number":
+            return number(value, where, positive=self.positive, minimum=self.minimum, maximum=self.maximum)
+        if kind == "integer":
+            low = None if self.minimum is None else int(self.minimum)
+            high = None if self.maximum is None else int(self.maximum)
+            return integer(value, where, minimum=low, maximum=high)
+        if kind == "boolean":
+            return boolean(value, where)
+        if kind == "string":
+            return string(value, where, empty=self.empty)
+        if kind == "header":
+            return string(value, where).lower()
+        if kind == "strings":
+            return tuple(string_list(value, where, empty=self.empty))
+        if kind == "listen":
+            return listen_address(value, where)
+        if kind == "choice":
+            if value not in self.choices or isinstance(value, bool):
+                raise ConfigError(f"{where} must be one of {list(self.choices)}, not {value!r}")
+            return value
+        raise AssertionError(f"unknown check kind {kind!r}")
+
+    def describe(self) -> str:
+        """The accepted values in a few words (`check-config --keys`)."""
+        kind = self.kind
+        if kind == "choice":
+            text = " | ".join(str(c) for c in self.choices)
+        elif kind in ("number", "integer"):
+            low, high = self.minimum, self.maximum
+            if self.positive:
+                text = f"{kind} > 0"
+            elif low is not None and high is not None:
+                text = f"{kind} {low:g}..{high:g}"
+            elif low is not None:
+                text = f"{kind} >= {low:g}"
+            elif high is not None:
+                text = f"{kind} <= {high:g}"
+            else:
+                text = kind
+        elif kind == "listen":
+            text = "host:port"
+        elif kind == "header":
+            text = "header name"
+        elif kind == "strings":
+            text = "list of strings"
+        else:
+            text = kind
+        return f"{text} or null" if self.nullable else text
+
+
+def setting(default: Any, check: Check) -> Any:
+    """A settings record's field that a user sets: its default and how its YAML value is checked."""
+    return field(default=default, metadata={CHECK: check})
+
+
+def setting_from(factory: Any, check: Check) -> Any:
+    """`setting` with a default made per record (a mutable or computed default)."""
+    return field(default_factory=factory, metadata={CHECK: check})
+
+
+def required(check: Check) -> Any:
+    """A setting without a default: the section names it as missing."""
+    return field(metadata={CHECK: check})
+
+
+def yaml_keys(record: type) -> tuple[str, ...]:
+    """The YAML keys of a settings record's section: its fields set at construction."""
+    return tuple(f.name for f in fields(record) if f.init)
+
+
+def declared(record: type, section: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The values of `section`'s keys that `record` declares a Check for, each read by it (a
+    required one that is missing is named). Keys are not checked here: see `section()`."""
+    values: dict[str, Any] = {}
+    for f in fields(record):
+        check = f.metadata.get(CHECK)
+        if check is None:
+            continue
+        if f.name in section:
+            values[f.name] = check.read(section[f.name], f"{where}.{f.name}")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(f"{where} needs '{f.name}'")
+    return values
+
+
+def section(record: type[R], raw: Any, where: str, **given: Any) -> R:
+    """A settings record from its YAML mapping (None: the defaults): unknown keys refused, declared
+    ones checked; `given` are the values of the keys its own parser read."""
+    values = mapping(raw, where)
+    check_keys(values, yaml_keys(record), where)
+    return record(**{**declared(record, values, where), **given})
+
+
+def defaults(record: type) -> dict[str, Any]:
+    """The default of each declared key of a record (those computed at start-up left out)."""
+    out: dict[str, Any] = {}
+    for f in fields(record):
+        if CHECK not in f.metadata:
+            continue
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def checks(record: type) -> dict[str, Check]:
+    """Each declared key's Check."""
+    return {f.name: f.metadata[CHECK] for f in fields(record) if CHECK in f.metadata}
 
 
 # -- shipped configuration files ------------------------------------------------------------------
@@ -120,17 +269,23 @@ DEFAULT_PROFILE: dict[str, Any] = {
 FALLBACK_PROFILE: dict[str, Any] = {"picker": "weighted-round-robin"}
 
 
+HEADER = Check("header")
+
+
 @dataclass(slots=True)
 class HeaderNames:
-    destination_cluster: str = "x-llm-destination-cluster"
-    destination_endpoint: str = "x-gateway-destination-endpoint"
-    session: str = "x-session-id"
-    user: str = "x-user-id"
-    priority: str = "x-llm-priority"
-    ttft_slo: str = "x-llm-ttft-slo-ms"  # the client's time-to-first-token objective (opt-in shedding)
-    tpot_slo: str = "x-llm-tpot-slo-ms"  # the client's time-per-output-token objective (opt-in shedding)
-    ticket: str = "x-llm-ticket"  # set on routed requests; Envoy's access log echoes it back
-    stream: str = "x-llm-stream"  # set on streaming requests: envoy.yaml gives them a header timeout
+    """`headers:`: the names of the headers the service reads and sets (lower-cased)."""
+
+    destination_cluster: str = setting("x-llm-destination-cluster", HEADER)
+    destination_endpoint: str = setting("x-gateway-destination-endpoint", HEADER)
+    session: str = setting("x-session-id", HEADER)
+    user: str = setting("x-user-id", HEADER)
+    priority: str = setting("x-llm-priority", HEADER)
+    ttft_slo: str = setting("x-llm-ttft-slo-ms", HEADER)  # the client's TTFT objective (opt-in shedding)
+    tpot_slo: str = setting("x-llm-tpot-slo-ms", HEADER)  # the client's TPOT objective (opt-in shedding)
+    ticket: str = setting("x-llm-ticket", HEADER)  # set on routed requests; Envoy's access log echoes it
+    stream: str = setting("x-llm-stream", HEADER)  # set on streaming requests: envoy.yaml gives them a
+    # header timeout
 
 
 # -- admission (lifecycle/admission.py, `admission:` in the service YAML) ---------------------------
@@ -155,6 +310,10 @@ DEFAULT_ADMISSION_OVERLOAD_WAIT_S: float | None = 0.25
 # `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: four 0.5 s publish
 # intervals (why: notebook/benchmarks-history.md, "TPOT-aware admission").
 DEFAULT_TPOT_WINDOW_S = 2.0
+
+
+POSITIVE = Check("number", positive=True)
+POSITIVE_OR_NULL = Check("number", positive=True, nullable=True)
 
 
 @dataclass(slots=True, frozen=True)
@@ -279,27 +438,27 @@ class AdmissionSettings:
     replica's leases, which leak (until lease_timeout_s) when several replicas run without Redis: a
     rolling restart of such replicas then sheds requests the fleet had room for."""
 
-    enabled: bool = False
-    max_waiting_per_weight: float = DEFAULT_ADMISSION_MAX_WAITING_PER_WEIGHT
-    max_inflight_per_weight: float = DEFAULT_ADMISSION_MAX_INFLIGHT_PER_WEIGHT
-    max_kv_usage: float | None = None
+    enabled: bool = setting(False, Check("boolean"))
+    max_waiting_per_weight: float = setting(DEFAULT_ADMISSION_MAX_WAITING_PER_WEIGHT, POSITIVE)
+    max_inflight_per_weight: float = setting(DEFAULT_ADMISSION_MAX_INFLIGHT_PER_WEIGHT, POSITIVE)
+    max_kv_usage: float | None = setting(None, Check("number", minimum=0.0, maximum=1.0, nullable=True))
     """A candidate whose engine reports at least this KV-cache usage has no headroom (None: unused)."""
-    max_predicted_wait_s: float | None = None
+    max_predicted_wait_s: float | None = setting(None, POSITIVE_OR_NULL)
     """A candidate whose predicted prefill queue (the default profile's `predicted-ttft` model,
     seconds) reaches this has no headroom; below it, the headroom is what is left over the mean
     prefill of a request sent there (None: unused)."""
-    max_tpot_s: float | None = None
+    max_tpot_s: float | None = setting(None, POSITIVE_OR_NULL)
     """A candidate whose engine's time per output token (the snapshots' interval means, smoothed
     over `tpot_window_s`) is at or above this has no headroom: one more sequence there slows every
     running one (None: unused). Only while the model is saturated does it also restrict placement."""
-    tpot_window_s: float = DEFAULT_TPOT_WINDOW_S
-    max_queued: int = DEFAULT_ADMISSION_MAX_QUEUED
-    max_wait_s: float = DEFAULT_ADMISSION_MAX_WAIT_S
-    overload_after_s: float = DEFAULT_ADMISSION_OVERLOAD_AFTER_S
-    overload_wait_s: float | None = DEFAULT_ADMISSION_OVERLOAD_WAIT_S
+    tpot_window_s: float = setting(DEFAULT_TPOT_WINDOW_S, POSITIVE)
+    max_queued: int = setting(DEFAULT_ADMISSION_MAX_QUEUED, Check("integer", minimum=0))
+    max_wait_s: float = setting(DEFAULT_ADMISSION_MAX_WAIT_S, POSITIVE)
+    overload_after_s: float = setting(DEFAULT_ADMISSION_OVERLOAD_AFTER_S, POSITIVE)
+    overload_wait_s: float | None = setting(DEFAULT_ADMISSION_OVERLOAD_WAIT_S, POSITIVE_OR_NULL)
     """Once a model's queue has not been empty for `overload_after_s`, its waiters are served newest
     first and those queued longer than this get 429 at once (None: FIFO up to `max_wait_s` always)."""
-    retry_after_s: int = DEFAULT_ADMISSION_RETRY_AFTER_S
+    retry_after_s: int = setting(DEFAULT_ADMISSION_RETRY_AFTER_S, Check("integer", minimum=1))
     objectives: ClassObjectives = field(default_factory=lambda: ClassObjectives())
     """Each class's TTFT objective: lower classes are placed only where a request of a higher class
     would still meet its own (lifecycle/admission.py, "Class objectives")."""
@@ -320,46 +479,15 @@ def priority_value(value: Any, where: str) -> int:
 
 def admission_settings(raw: Any, where: str = "config: 'admission'") -> AdmissionSettings:
     """A validated AdmissionSettings from a YAML mapping (absent: the defaults, admission off)."""
-    section = mapping(raw, where)
-    check_keys(section, AdmissionSettings.__dataclass_fields__, where)
-    values: dict[str, Any] = {}
-    if "enabled" in section:
-        values["enabled"] = boolean(section["enabled"], f"{where}.enabled")
-    for key in (
-        "max_waiting_per_weight",
-        "max_inflight_per_weight",
-        "max_wait_s",
-        "tpot_window_s",
-        "overload_after_s",
-    ):
-        if key in section:
-            values[key] = number(section[key], f"{where}.{key}", positive=True)
-    if section.get("max_predicted_wait_s") is not None:
-        values["max_predicted_wait_s"] = number(
-            section["max_predicted_wait_s"], f"{where}.max_predicted_wait_s", positive=True
+    values = mapping(raw, where)
+    given: dict[str, Any] = {}
+    if values.get("objectives") is not None:
+        given["objectives"] = class_objectives(values["objectives"], f"{where}.objectives")
+    if "client_max_priority" in values:
+        given["client_max_priority"] = priority_value(
+            values["client_max_priority"], f"{where}.client_max_priority"
         )
-    if "overload_wait_s" in section:
-        raw_wait = section["overload_wait_s"]
-        values["overload_wait_s"] = (
-            None if raw_wait is None else number(raw_wait, f"{where}.overload_wait_s", positive=True)
-        )
-    if section.get("max_tpot_s") is not None:
-        values["max_tpot_s"] = number(section["max_tpot_s"], f"{where}.max_tpot_s", positive=True)
-    if section.get("max_kv_usage") is not None:
-        values["max_kv_usage"] = number(
-            section["max_kv_usage"], f"{where}.max_kv_usage", minimum=0.0, maximum=1.0
-        )
-    if "max_queued" in section:
-        values["max_queued"] = integer(section["max_queued"], f"{where}.max_queued", minimum=0)
-    if "retry_after_s" in section:
-        values["retry_after_s"] = integer(section["retry_after_s"], f"{where}.retry_after_s", minimum=1)
-    if section.get("objectives") is not None:
-        values["objectives"] = class_objectives(section["objectives"], f"{where}.objectives")
-    if "client_max_priority" in section:
-        values["client_max_priority"] = priority_value(
-            section["client_max_priority"], f"{where}.client_max_priority"
-        )
-    return AdmissionSettings(**values)
+    return section(AdmissionSettings, values, where, **given)
 
 
 @dataclass(slots=True, frozen=True)
@@ -373,9 +501,9 @@ class EnginePriority:
     from the priority header and the route, which it cannot raise past the route's cap."""
 
     field: str = "priority"
-    critical: int = -1
-    standard: int = 0
-    sheddable: int = 1
+    critical: int = setting(-1, Check("integer"))
+    standard: int = setting(0, Check("integer"))
+    sheddable: int = setting(1, Check("integer"))
     clusters: frozenset[str] | None = None
     """Only requests routed to these clusters are rewritten (None: every cluster): for a pool where
     some engines do not run the priority policy (vLLM answers 400 to a non-zero priority there)."""
@@ -397,20 +525,16 @@ def engine_priority_settings(raw: Any, where: str = "config: 'engine_priority'")
     """None (off) when absent or null; `{}` turns it on with vLLM's numbers."""
     if raw is None:
         return None
-    section = mapping(raw, where)
-    check_keys(section, EnginePriority.__dataclass_fields__, where)
-    values: dict[str, Any] = {}
-    if "field" in section:
-        name = string(section["field"], f"{where}.field")
+    values = mapping(raw, where)
+    given: dict[str, Any] = {}
+    if "field" in values:
+        name = string(values["field"], f"{where}.field")
         if not name.isidentifier():
             raise ConfigError(f"{where}.field must be a JSON field name like 'priority', not {name!r}")
-        values["field"] = name
-    for key in ("critical", "standard", "sheddable"):
-        if key in section:
-            values[key] = integer(section[key], f"{where}.{key}")
-    if section.get("clusters") is not None:
-        values["clusters"] = frozenset(string_list(section["clusters"], f"{where}.clusters", empty=False))
-    return EnginePriority(**values)
+        given["field"] = name
+    if values.get("clusters") is not None:
+        given["clusters"] = frozenset(string_list(values["clusters"], f"{where}.clusters", empty=False))
+    return section(EnginePriority, values, where, **given)
 
 
 # -- fleet state (Redis feed and view) -------------------------------------------------------------
@@ -426,6 +550,9 @@ REDIS_SOCKET_TIMEOUT_S = 5.0
 REDIS_CONNECT_TIMEOUT_S = 2.0
 
 
+STRING_OR_NULL = Check("string", nullable=True)
+
+
 @dataclass(slots=True)
 class RedisSettings:
     """Where the fleet's snapshots live. Key names are derived here so publisher and service agree.
@@ -435,19 +562,22 @@ class RedisSettings:
     that Sentinel names; `redis+cluster://h:p,h:p` (or `cluster: true`) is a Redis Cluster, where
     every key of the pool carries one hash tag so the pool lives in one slot."""
 
-    url: str = DEFAULT_REDIS_URL
+    url: str = setting(DEFAULT_REDIS_URL, Check("string"))
     username: str | None = None
     password: str | None = None
-    tls_ca_file: str | None = None
-    pool: str = "default"
-    key_prefix: str | None = None
-    resync_interval_s: float = 5.0
+    tls_ca_file: str | None = setting(None, STRING_OR_NULL)
+    pool: str = setting("default", Check("string"))
+    key_prefix: str | None = setting(None, STRING_OR_NULL)
+    resync_interval_s: float = setting(5.0, POSITIVE)
     # Service only: READY snapshots this many of their own TTLs past expiry still serve a model with no
     # fresh READY instance (STALE_READY_GRACE_TTLS above); 0 turns the grace off.
-    stale_ready_grace_ttls: float = STALE_READY_GRACE_TTLS
-    sentinels: tuple[str, ...] = ()  # "host:port" of each Sentinel; needs master_name
-    master_name: str | None = None
-    cluster: bool = False
+    stale_ready_grace_ttls: float = setting(
+        STALE_READY_GRACE_TTLS, Check("number", minimum=0.0, maximum=100.0)
+    )
+    sentinels: tuple[str, ...] = setting((), Check("strings", empty=True))  # "host:port" of each
+    # Sentinel; needs master_name
+    master_name: str | None = setting(None, STRING_OR_NULL)
+    cluster: bool = setting(False, Check("boolean"))
 
     @property
     def is_cluster(self) -> bool:
@@ -558,27 +688,19 @@ def redis_topology(settings: RedisSettings, where: str = "redis") -> RedisTopolo
 def redis_settings(raw: Any, where: str, password_env: str | None = None) -> RedisSettings:
     """A validated RedisSettings from a YAML mapping; the password falls back to `password_env`."""
     raw = mapping(raw, where)
-    check_keys(raw, RedisSettings.__dataclass_fields__, where)
     values: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key == "resync_interval_s":
-            values[key] = number(value, f"{where}.{key}", positive=True)
-        elif key == "stale_ready_grace_ttls":
-            values[key] = number(value, f"{where}.{key}", minimum=0.0, maximum=100.0)
-        elif key == "sentinels":
-            values[key] = tuple(string_list(value, f"{where}.{key}"))
-        elif key == "cluster":
-            values[key] = boolean(value, f"{where}.{key}")
-        elif key in ("password", "username") and value is not None and not isinstance(value, str):
+    for key in ("password", "username"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str):
             # Not echoed (a numeric password is still a password); YAML turns `12345` into a number
             # (and `0123` into 83): only a quoted string is taken as written.
             raise ConfigError(
                 f"{where}.{key} must be a string: quote it in the YAML ({key}: '...'); "
                 f"got a {type(value).__name__} (not shown)"
             )
-        elif value is not None:
+        if value is not None:
             values[key] = string(value, f"{where}.{key}")
-    settings = RedisSettings(**values)
+    settings = section(RedisSettings, raw, where, **values)
     if settings.sentinels and settings.is_cluster:
         raise ConfigError(f"{where}: choose Sentinel or Cluster, not both")
     redis_topology(settings, where)
@@ -603,6 +725,192 @@ MAX_METRICS_BYTES = 16 * 1024 * 1024
 MAX_HEALTH_BYTES = 64 * 1024
 MIN_TTL_MS = 100  # readers reject snapshots whose TTL is outside these bounds
 MAX_TTL_MS = 3_600_000
+
+
+# -- service sections read by config.py ---------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class BodySettings:
+    """How request bodies are parsed (`bodies:`; lifecycle/bodies.py)."""
+
+    offload_bytes: int = setting(DEFAULT_BODY_OFFLOAD_BYTES, Check("integer", minimum=1))
+    """Bodies at least this big are parsed in a worker process, smaller ones on the event loop."""
+    workers: int = setting(DEFAULT_BODY_WORKERS, Check("integer", minimum=1))
+    """Worker processes, started as big bodies need them: also the most big bodies parsed at once
+    (the others wait their turn, never holding the event loop)."""
+    trim_interval_s: float = setting(DEFAULT_BODY_TRIM_INTERVAL_S, Check("number", minimum=0))
+    """Hand freed memory back to the OS this long after big bodies stop; 0: never (glibc defaults)."""
+    worker_nice: int = setting(DEFAULT_BODY_WORKER_NICE, Check("integer", minimum=0, maximum=19))
+    """CPU niceness of the workers (0-19): big bodies yield CPU to the event loop."""
+
+
+@dataclass(slots=True, frozen=True)
+class SyncSettings:
+    """Replicas sharing their decisions through the fleet's Redis (`sync:`; server/sync.py,
+    docs/fleet-state.md "Shared state between replicas")."""
+
+    enabled: bool = setting(True, Check("boolean"))
+    """On by default whenever `fleet:` configures Redis; without Redis there is nothing to share."""
+    interval_s: float = setting(0.02, POSITIVE)
+    """How often this replica publishes its decisions (when it has any)."""
+    heartbeat_s: float = setting(0.5, POSITIVE)
+    """The longest silence: an idle replica still publishes its in-flight counts this often."""
+    expire_s: float = setting(3.0, POSITIVE)
+    """Another replica's counts (and pinned cache blocks) are dropped after this long without a word."""
+    max_message_bytes: int = setting(512 * 1024, Check("integer", minimum=1))
+    max_updates_per_s: int = setting(20_000, Check("integer", minimum=1))
+    """Beyond these, updates are dropped (counted) and peers release what this replica pinned."""
+    state_interval_s: float = setting(5.0, POSITIVE)
+    """How often the learnt state is written to Redis for a replica that starts late."""
+    key_file: str | None = None
+    """A file holding the replicas' shared HMAC key (else $LLM_EXTPROC_SYNC_KEY; never the key in
+    the YAML): messages and state dumps are signed, unsigned or forged ones dropped (server/sync.py)."""
+
+
+def sync_settings(raw: Any, base_dir: str | os.PathLike[str] | None = None) -> SyncSettings:
+    """`sync:`; a relative `key_file` is in the config file's folder."""
+    where = "config: 'sync'"
+    values = mapping(raw, where)
+    given: dict[str, Any] = {}
+    if values.get("key_file") is not None:
+        given["key_file"] = str(Path(base_dir or ".") / string(values["key_file"], f"{where}.key_file"))
+    settings = section(SyncSettings, values, where, **given)
+    if settings.expire_s <= settings.heartbeat_s:
+        raise ConfigError(f"{where}.expire_s must exceed heartbeat_s (a live replica would expire)")
+    return settings
+
+
+# A client asks for the decision header with `x-llm-explain: 1` (honoured only with `header: on_request`).
+EXPLAIN_REQUEST_HEADER = "x-llm-explain"
+MAX_KEEP_LAST = 10_000
+
+
+@dataclass(slots=True, frozen=True)
+class ExplainSettings:
+    """`explain:` (scheduling/explain.py).
+
+    header: `off` (default; `false` too): no header whatever the client sends. `on_request` (`true`
+    too): only for requests carrying `x-llm-explain: 1`, so a client cannot turn work on unless the
+    operator allowed it, and even then pays only for its own requests. `always`: every routed request
+    (a staging gateway). keep_last: decisions kept for /debug/decisions; 0 (default) turns the endpoint
+    off (404) and records nothing. While it is above 0 every decision is recorded (a copy of what
+    each plugin returned; its cost: docs/benchmarks.md, "Decision explanation"). detail: what the
+    header tells the client: `summary` (default) the picked cluster, the profile and the candidate
+    count; `full` also the picked upstream's id (`cluster/ip:port` in endpoint mode), its calibration
+    figures and the top candidates' ids, totals and per-scorer contributions, which expose upstream
+    addresses and what the prefix scorers know of other clients' prompts: only where the header's
+    readers are trusted. /debug/decisions (the metrics port, operators only) is always complete."""
+
+    header: str = setting(
+        "off",
+        Check(
+            "choice",
+            choices=("off", "on_request", "always"),
+            aliases=((True, "on_request"), (False, "off"), (None, "off")),
+        ),
+    )
+    keep_last: int = setting(0, Check("integer", minimum=0, maximum=MAX_KEEP_LAST))
+    detail: str = setting("summary", Check("choice", choices=("summary", "full")))
+
+    def wants_header(self, headers: Mapping[str, str]) -> bool:
+        """Whether this request's response gets the decision header."""
+        if self.header == "off":
+            return False
+        return self.header == "always" or headers.get(EXPLAIN_REQUEST_HEADER, "").strip() == "1"
+
+    def header_for(self, explanation: Explained) -> str:
+        """The decision header's value at this `detail` level."""
+        return explanation.header_value() if self.detail == "full" else explanation.summary_value()
+
+
+class Explained(Protocol):
+    """A decision's explanation (scheduling/explain.Explanation), as the header reads it."""
+
+    def header_value(self) -> str: ...
+
+    def summary_value(self) -> str: ...
+
+
+def explain_settings(raw: Any) -> ExplainSettings:
+    return section(ExplainSettings, raw, "config: 'explain'")
+
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+@dataclass(slots=True, frozen=True)
+class KubernetesDiscovery:
+    """`discovery.kubernetes`: EndpointSlices (discovery.k8s.io/v1) selected by label, listed then
+    watched through the API server's HTTP API with the pod's service-account token (RBAC:
+    get/list/watch endpointslices; extproc.discovery.kubernetes)."""
+
+    cluster: str = required(Check("string"))
+    """The pool cluster (endpoint routing mode) whose endpoints this fills."""
+    label_selector: str = required(Check("string"))
+    """Which EndpointSlices, e.g. `kubernetes.io/service-name=vllm` (the Service's slices)."""
+    namespace: str = ""
+    """Default: the pod's namespace (its service-account file), else "default"."""
+    api_server: str = ""
+    """Default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT."""
+    port: int | None = setting(None, Check("integer", minimum=1, maximum=65535, nullable=True))
+    """The model servers' port; None: the slice's port named `port_name`, else its first port."""
+    port_name: str | None = setting(None, STRING_OR_NULL)
+    token_file: str | None = setting(str(SERVICE_ACCOUNT_DIR / "token"), STRING_OR_NULL)
+    """Read again for every request (projected tokens rotate); None: no Authorization header."""
+    ca_file: str | None = setting(str(SERVICE_ACCOUNT_DIR / "ca.crt"), STRING_OR_NULL)
+    """CA for an https API server; None: the system's CAs."""
+    watch_timeout_s: int = setting(300, Check("integer", minimum=1))
+    """Each watch asks the API server to end after this long; the next one resumes where it ended."""
+    retry_max_s: float = setting(10.0, Check("number", minimum=0.5))
+    """Errors back off from 0.5 s up to this."""
+
+
+@dataclass(slots=True, frozen=True)
+class DiscoverySettings:
+    """`discovery:`: where a pool cluster's endpoints come from at run time."""
+
+    kubernetes: KubernetesDiscovery | None = None
+
+    def clusters(self) -> tuple[str, ...]:
+        return (self.kubernetes.cluster,) if self.kubernetes is not None else ()
+
+
+def _default_api_server() -> str:
+    """In a pod: the API server Kubernetes names in the environment."""
+    host = os.environ.get("KUBERNETES_SERVICE_HOST", "kubernetes.default.svc")
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if ":" in host:
+        host = f"[{host}]"
+    return f"https://{host}:{port}"
+
+
+def _default_namespace() -> str:
+    try:
+        return (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def discovery_settings(raw: Any) -> DiscoverySettings | None:
+    """None when the YAML has no `discovery:` (static endpoints only)."""
+    if raw is None:
+        return None
+    where = "config: 'discovery'"
+    values = mapping(raw, where)
+    check_keys(values, ("kubernetes",), where)
+    if values.get("kubernetes") is None:
+        return DiscoverySettings()
+    where = f"{where}.kubernetes"
+    k8s = mapping(values["kubernetes"], where)
+    if k8s.get("port") is not None and k8s.get("port_name") is not None:
+        raise ConfigError(f"{where}: give 'port' or 'port_name', not both")
+    api_server = string(k8s.get("api_server") or _default_api_server(), f"{where}.api_server")
+    if not api_server.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}.api_server must be an http:// or https:// URL, got {api_server!r}")
+    namespace = string(k8s.get("namespace") or _default_namespace(), f"{where}.namespace")
+    settings = section(
+        KubernetesDiscovery, k8s, where, namespace=namespace, api_server=api_server.rstrip("/")
+    )
+    return DiscoverySettings(kubernetes=settings)
 
 
 # -- value checks ----------------------------------------------------------------------------------
@@ -644,12 +952,16 @@ def number(
     return float(value)
 
 
-def integer(value: Any, where: str, *, minimum: int | None = None) -> int:
+def integer(value: Any, where: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if maximum is not None and minimum is not None and not minimum <= value <= maximum:
+        raise ConfigError(f"{where} must be an integer from {minimum} to {maximum}, got {value!r}")
     if minimum is not None and value < minimum:
         wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ConfigError(f"{where} must be {wanted}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where} must be an integer <= {maximum}, got {value!r}")
     return value
 
 

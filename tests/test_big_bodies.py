@@ -25,13 +25,13 @@ import pytest
 from gateway_stack import MODEL, Stack, service_config
 from test_tokenization import CONFIGS, train_bytelevel
 
-from extproc.config import BodySettings, config_from_dict
+from extproc.config import config_from_dict
 from extproc.lifecycle import RequestLifecycle
 from extproc.lifecycle.bodies import BodyParser
 from extproc.openai import InferenceRequest, RequestError, RequestHead
 from extproc.openai.parse import Body, parse_detached, parse_head, parse_request
 from extproc.openai.worker import tune_allocator
-from extproc.settings import ConfigError
+from extproc.settings import BodySettings, ConfigError
 from extproc.telemetry import Metrics
 from extproc.tokenization import PromptTooLong, from_config
 from extproc.tokenization.registry import min_tokens

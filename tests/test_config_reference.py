@@ -14,7 +14,16 @@ import pytest
 import yaml
 
 import extproc.scheduling  # noqa: F401  (registers the built-in plugins)
-from extproc.config import _SCALAR_KEYS, _SECTIONS, ANY, config_from_dict, key_paths, service_keys
+from extproc.config import (
+    _SCALAR_KEYS,
+    _SECTIONS,
+    ANY,
+    REQUIRED,
+    config_from_dict,
+    key_paths,
+    service_keys,
+    service_schema,
+)
 from extproc.publishers.config import load_publisher_config, publisher_keys
 from extproc.scheduling.framework import PROFILE_KEYS, plugin_parameters
 from extproc.settings import ConfigError
@@ -60,6 +69,61 @@ def test_every_service_key_is_in_the_reference_and_every_documented_one_is_accep
     accepted = set(key_paths(schema))
     assert not documented - accepted, f"documented, refused: {sorted(documented - accepted)}"
     assert not accepted - documented, f"accepted, not documented: {sorted(accepted - documented)}"
+
+
+def _at(doc: Any, path: str) -> Any:
+    for name in path.split("."):
+        if not isinstance(doc, dict) or name not in doc:
+            return KeyError
+        doc = doc[name]
+    return doc
+
+
+def test_the_reference_shows_every_declared_default() -> None:
+    """configuration.md's values are the schema's defaults (read as the service reads them: `off`
+    is YAML's false), except the settings that have none."""
+    reference = yaml.safe_load(yaml_blocks("configuration.md")[0])
+    schema = service_schema()
+    assert len(schema) > 60
+    wrong = []
+    for path, (check, default) in schema.items():
+        shown = _at(reference, path)
+        assert shown is not KeyError, f"{path} is not in the reference"
+        if default != REQUIRED and check.read(shown, path) != default:
+            wrong.append(f"{path}: reference {shown!r}, default {default!r}")
+    assert not wrong, wrong
+
+
+def test_the_schema_reads_what_each_key_takes() -> None:
+    schema = service_schema()
+    assert schema["bodies.worker_nice"][0].describe() == "integer 0..19"
+    with pytest.raises(ConfigError, match=r"config: 'bodies'.worker_nice must be an integer from 0 to 19"):
+        config_from_dict(
+            {"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "bodies": {"worker_nice": 20}}
+        )
+    with pytest.raises(
+        ConfigError, match=r"explain'.header must be one of \['off', 'on_request', 'always'\]"
+    ):
+        config_from_dict(
+            {"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "explain": {"header": "yes"}}
+        )
+    with pytest.raises(ConfigError, match=r"discovery'.kubernetes needs 'cluster'"):
+        config_from_dict(
+            {
+                "routing": "endpoint",
+                "pool": {"clusters": [{"name": "a", "models": ["m"], "endpoints": []}]},
+                "discovery": {"kubernetes": {"label_selector": "x=y"}},
+            }
+        )
+    # null is a value only where the setting may be unset
+    assert (
+        config_from_dict(
+            {"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "metrics_listen": None}
+        ).metrics_listen
+        is None
+    )
+    with pytest.raises(ConfigError, match="config: 'listen' must be a non-empty string, got None"):
+        config_from_dict({"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "listen": None})
 
 
 def test_the_key_tree_is_the_parsers_key_sets() -> None:

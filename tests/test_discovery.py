@@ -22,14 +22,14 @@ from gateway_stack import MODEL, Stack, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from extproc.config import config_from_dict
-from extproc.discovery import KubernetesDiscovery, PoolUpdater
+from extproc.discovery import PoolUpdater
 from extproc.discovery.kubernetes import EndpointSliceWatcher, slice_endpoints
 from extproc.fleet import RoutingMode
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai.parse import parse_head
 from extproc.scheduling import plugin_name
 from extproc.server import app
-from extproc.settings import ConfigError
+from extproc.settings import ConfigError, KubernetesDiscovery
 from extproc.telemetry import Metrics
 from extproc_lab.engines import EngineGroup
 from extproc_lab.stack import ENVOY_DIR, free_port, wait_port

@@ -25,11 +25,9 @@ from extproc.scheduling.explain import (
     DECISION_HEADER,
     MAX_HEADER_BYTES,
     DecisionLog,
-    ExplainSettings,
-    explain_settings,
     new_explanation,
 )
-from extproc.settings import ConfigError
+from extproc.settings import ConfigError, ExplainSettings, explain_settings
 from extproc_lab.stack import body_mode_edit
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}

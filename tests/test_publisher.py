@@ -472,6 +472,8 @@ def test_load_config_without_file() -> None:
             "capacity_weight",
         ),
         ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "models": "x"}]}, "models"),
+        ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "draining": "no"}]}, "draining"),
+        ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "health_path": 5}]}, "health_path"),
         ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "gpu": 100}]}, "'gpu'"),
         ({"instances": [{"cluster": "c", "address": "10.0.0.1:80", "gpu": "x" * 65}]}, "'gpu'"),
         ({"instances": [{"address": "10.0.0.1:80"}]}, "cluster"),
@@ -566,7 +568,7 @@ def test_instance_from_dict_all_fields() -> None:
             "engine": "trtllm",
             "models": ["a"],
             "capacity_weight": 2,
-            "draining": 1,
+            "draining": True,
             "metrics_path": "/m",
             "health_path": "/v2/health/ready",
         }

@@ -16,7 +16,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from extproc.config import SyncSettings, config_from_dict
+from extproc.config import config_from_dict
 from extproc.fleet import RemoteInFlight
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.lifecycle import Decision, RequestLifecycle
@@ -27,7 +27,7 @@ from extproc.scheduling.sharing import MAX_OUTBOX, RESET
 from extproc.server import start
 from extproc.server.app import RunningService
 from extproc.server.sync import ReplicaSync
-from extproc.settings import ConfigError
+from extproc.settings import ConfigError, SyncSettings
 from extproc.telemetry import Metrics
 from extproc_lab.discrete_event.simulation import simulate, tokenize_requests
 from extproc_lab.stack import RedisProcess

@@ -16,7 +16,7 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from extproc.config import SyncSettings, config_from_dict
+from extproc.config import config_from_dict
 from extproc.fleet import RemoteInFlight, Upstream
 from extproc.lifecycle import Decision, RequestLifecycle
 from extproc.openai.parse import parse_head
@@ -24,7 +24,7 @@ from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.scheduling.prefix import PrefixAffinityScorer
 from extproc.scheduling.ttft_predictor import SENT_WINDOW_S
 from extproc.server.sync import MAX_COUNT, ReplicaSync
-from extproc.settings import ConfigError, RedisSettings
+from extproc.settings import ConfigError, RedisSettings, SyncSettings
 from extproc.telemetry import Metrics
 from extproc_lab.stack import RedisProcess
 

@@ -24,19 +24,27 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--keys",
         action="store_true",
         help="list every key the service YAML accepts (dotted paths; * is a name you choose or a list "
-        "entry) and every plugin's parameters, then exit (docs/configuration.md explains each)",
+        "entry; with what it takes and its default where one check declares both) and every plugin's "
+        "parameters, then exit (docs/configuration.md explains each)",
     )
     p.set_defaults(func=run)
 
 
 def print_keys() -> None:
-    from extproc.config import key_paths, service_keys
+    from extproc.config import key_paths, service_keys, service_schema
     from extproc.scheduling.framework import plugin_parameters
 
     paths = key_paths(service_keys())
+    schema = service_schema()
     leaves = [p for p in paths if not any(q.startswith(p + ".") for q in paths)]
+    width = max(len(p) for p in paths)
     for path in paths:
-        print(path)
+        if path in schema:  # what it takes and its default; the others are described in the docs
+            check, default = schema[path]
+            shown = default if isinstance(default, str) else yaml_value(default)
+            print(f"{path:<{width}}  {check.describe()}; default {shown}")
+        else:
+            print(path)
     params = plugin_parameters()
     for kind, plugins in params.items():
         for name, names in plugins.items():
@@ -44,6 +52,13 @@ def print_keys() -> None:
                 print(f"{kind} {name}: {param}")
     count = sum(len(n) for plugins in params.values() for n in plugins.values())
     print(f"# {len(leaves)} service keys (+ {len(paths) - len(leaves)} sections), {count} plugin parameters")
+
+
+def yaml_value(value: object) -> str:
+    """A default as it is written in the YAML (null, true, [])."""
+    import yaml
+
+    return str(yaml.safe_dump(list(value) if isinstance(value, tuple) else value).removesuffix("\n...\n"))
 
 
 def run(args: argparse.Namespace) -> int:

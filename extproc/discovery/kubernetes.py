@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from extproc.discovery.settings import KubernetesDiscovery
+from extproc.settings import KubernetesDiscovery
 from extproc.telemetry import Metrics
 from extproc.telemetry.supervision import supervised
 

@@ -43,11 +43,10 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from extproc.config import BodySettings
 from extproc.openai import InferenceRequest, RequestError, RequestHead
 from extproc.openai.errors import parser_failed
 from extproc.openai.worker import FAILED, INLINE, MODULE, OK, REPLY, REQUEST, SHARED, tune_allocator
-from extproc.settings import BODY_PARSE_DEADLINE_S
+from extproc.settings import BODY_PARSE_DEADLINE_S, BodySettings
 
 log = logging.getLogger("extproc.bodies")
 

@@ -27,14 +27,16 @@ from extproc.settings import (
     MAX_TTL_MS,
     MIN_TTL_MS,
     SCRAPE_TIMEOUT_SHARE,
+    Check,
     ConfigError,
     RedisSettings,
-    check_keys,
-    listen_address,
     mapping,
-    number,
     redis_settings,
-    string_list,
+    required,
+    section,
+    setting,
+    setting_from,
+    yaml_keys,
 )
 
 # Largest /metrics (or DCGM) page read, by default. A vLLM page is ~100-300 KB; the cap leaves room
@@ -49,14 +51,19 @@ MIN_METRICS_BYTES = 4096
 
 @dataclass(slots=True)
 class InstanceSpec:
-    cluster: str
-    address: str
-    engine: str = "vllm"
-    models: tuple[str, ...] = ()
-    capacity_weight: float = 1.0
-    draining: bool = False
-    metrics_path: str = ""  # "" means the engine's own default (e.g. /prometheus/metrics for trtllm-serve)
-    health_path: str = "/health"
+    """One engine instance to scrape (an entry of `instances:`, or a host Envoy's admin API names)."""
+
+    cluster: str = required(Check("string"))
+    address: str = required(Check("string"))  # ip:port ([v6]:port), checked by instance_from_dict
+    engine: str = setting("vllm", Check("choice", choices=tuple(ENGINE_METRICS)))
+    models: tuple[str, ...] = setting((), Check("strings", empty=True))
+    capacity_weight: float = setting(1.0, Check("number", positive=True))
+    draining: bool = setting(False, Check("boolean"))
+    metrics_path: str = setting(
+        "", Check("string", empty=True, nullable=True)
+    )  # "": the engine's own default
+    # (e.g. /prometheus/metrics for trtllm-serve)
+    health_path: str = setting("/health", Check("string"))
     # An NVIDIA DCGM exporter that sees this instance's GPUs (e.g. "http://{host}:9400/metrics";
     # {host} is the instance's IP), and which of its GPUs are this instance's (`gpu` indices or UUIDs;
     # empty: all of them). "" : no GPU figures beyond what the engine itself publishes.
@@ -93,16 +100,27 @@ class InstanceSpec:
 
 @dataclass(slots=True)
 class PublisherConfig:
+    """The publisher's YAML (docs/fleet-state.md). Timing bounds: readers reject snapshots whose TTL
+    is out of range, so a bad value fails here, not silently there."""
+
     redis: RedisSettings
     instances: list[InstanceSpec] = field(default_factory=list)
-    envoy_admin: str | None = None
-    interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
-    ttl_s: float | None = None
-    discovery_interval_s: float = DEFAULT_DISCOVERY_INTERVAL_S
-    scrape_timeout_s: float | None = None  # None: derived from the interval (scrape_deadline_s)
-    metrics_listen: str | None = None  # host:port for the publisher's own /metrics; None: off
+    envoy_admin: str | None = setting(None, Check("string", nullable=True))
+    interval_s: float = setting(DEFAULT_PUBLISH_INTERVAL_S, Check("number", minimum=0.01, maximum=3600.0))
+    ttl_s: float | None = setting(
+        None, Check("number", minimum=MIN_TTL_MS / 1000, maximum=MAX_TTL_MS / 1000, nullable=True)
+    )
+    discovery_interval_s: float = setting(
+        DEFAULT_DISCOVERY_INTERVAL_S, Check("number", minimum=0.1, maximum=86400.0)
+    )
+    scrape_timeout_s: float | None = setting(
+        None, Check("number", minimum=0.005, maximum=600.0, nullable=True)
+    )  # None: derived from the interval (scrape_deadline_s)
+    metrics_listen: str | None = setting(None, Check("listen", nullable=True))  # the publisher's
+    # own /metrics; None: off
     max_metrics_bytes: int = DEFAULT_MAX_METRICS_BYTES  # larger /metrics pages are failed scrapes
-    publisher_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # (checked by check(), which the Publisher runs on configs built in code too)
+    publisher_id: str = setting_from(lambda: f"{socket.gethostname()}-{os.getpid()}", Check("string"))
 
     @property
     def ttl_ms(self) -> int:
@@ -145,7 +163,7 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
         or not isinstance(raw.get("address"), str)
     ):
         raise ConfigError("publisher: each instance needs string 'cluster' and 'address' (ip:port)")
-    check_keys(raw, InstanceSpec.__dataclass_fields__, f"publisher: instance {raw['address']}")
+    where = f"publisher: instance {raw['address']}"
     try:
         parse_endpoint(raw["address"])
     except ValueError as exc:
@@ -153,26 +171,19 @@ def instance_from_dict(raw: dict[str, Any]) -> InstanceSpec:
     engine = raw.get("engine", "vllm")
     if engine not in ENGINE_METRICS:
         raise ConfigError(f"publisher: unknown engine '{engine}' (known: {sorted(ENGINE_METRICS)})")
-    models = string_list(raw.get("models", []), "publisher: 'models'")
-    weight = number(raw.get("capacity_weight", 1.0), "publisher: 'capacity_weight'", positive=True)
     dcgm_url, dcgm_gpus = _dcgm_settings(raw)
     gpu = raw.get("gpu", "")
     if not isinstance(gpu, str) or len(gpu) > MAX_GPU_NAME or not gpu.isprintable():
         raise ConfigError(f"publisher: 'gpu' must be a GPU name of at most {MAX_GPU_NAME} characters")
-    return InstanceSpec(
-        cluster=raw["cluster"],
-        address=raw["address"],
-        engine=engine,
-        models=tuple(models),
-        capacity_weight=weight,
-        draining=bool(raw.get("draining", False)),
-        metrics_path=str(raw.get("metrics_path") or ENGINE_METRICS[engine].metrics_path),
-        health_path=str(raw.get("health_path", "/health")),
+    return section(
+        InstanceSpec,
+        raw,
+        where,
         dcgm_url=dcgm_url,
         dcgm_gpus=dcgm_gpus,
         gpu=gpu,
         max_num_seqs=_max_num_seqs(raw),
-        kv_events=kv_events_spec(raw.get("kv_events"), f"publisher: instance {raw['address']}"),
+        kv_events=kv_events_spec(raw.get("kv_events"), where),
     )
 
 
@@ -204,16 +215,6 @@ def _dcgm_settings(raw: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
     return url, tuple(str(g) for g in gpus)
 
 
-# Bounds of the publisher's timing settings (readers reject snapshots whose TTL is out of range:
-# fail here, not silently there).
-_TIMINGS = (
-    ("interval_s", 0.01, 3600.0),
-    ("ttl_s", MIN_TTL_MS / 1000, MAX_TTL_MS / 1000),
-    ("discovery_interval_s", 0.1, 86400.0),
-    ("scrape_timeout_s", 0.005, 600.0),
-)
-
-
 # What only the service's fleet feed reads (how often it resyncs, how long stale snapshots serve).
 SERVICE_ONLY_REDIS_KEYS = ("resync_interval_s", "stale_ready_grace_ttls")
 
@@ -222,8 +223,8 @@ def publisher_keys() -> dict[str, Any]:
     """Every key of the publisher YAML as a tree (as config.service_keys(); "*" stands for the
     entries of `instances`), from the key sets the parser accepts: what docs/fleet-state.md is
     checked against."""
-    top = dict.fromkeys(set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"})
-    instance: dict[str, Any] = dict.fromkeys(InstanceSpec.__dataclass_fields__)
+    top = dict.fromkeys(set(yaml_keys(PublisherConfig)) - {"redis", "instances"})
+    instance: dict[str, Any] = dict.fromkeys(yaml_keys(InstanceSpec))
     instance["kv_events"] = dict.fromkeys(KvEventsSpec.__dataclass_fields__)
     return {
         **dict(sorted(top.items())),
@@ -240,12 +241,12 @@ def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig
         raw = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
-    given = {k: v for k, v in overrides.items() if v is not None}
+    flags = {k: v for k, v in overrides.items() if v is not None}
     redis_raw = dict(mapping(raw.pop("redis", None), "publisher: 'redis'"))
     for key in ("url", "pool", "key_prefix", "username", "password"):  # the command line's --redis-*
-        if f"redis_{key}" in given:
-            redis_raw[key] = given.pop(f"redis_{key}")
-    raw.update(given)
+        if f"redis_{key}" in flags:
+            redis_raw[key] = flags.pop(f"redis_{key}")
+    raw.update(flags)
     for key in SERVICE_ONLY_REDIS_KEYS:
         if key in redis_raw:
             raise ConfigError(
@@ -253,13 +254,10 @@ def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig
             )
     redis = redis_settings(redis_raw, "publisher: 'redis'", password_env=ENV_REDIS_PASSWORD)
     instances = [instance_from_dict(i) for i in raw.pop("instances", []) or []]
-    check_keys(raw, set(PublisherConfig.__dataclass_fields__) - {"redis", "instances"}, "publisher")
-    for key, low, high in _TIMINGS:
-        if raw.get(key) is not None:
-            raw[key] = number(raw[key], f"publisher: '{key}'", minimum=low, maximum=high)
-    if raw.get("metrics_listen") is not None:
-        raw["metrics_listen"] = listen_address(raw["metrics_listen"], "publisher: 'metrics_listen'")
-    cfg = PublisherConfig(redis=redis, instances=instances, **raw)
+    given: dict[str, Any] = {"redis": redis, "instances": instances}
+    if "max_metrics_bytes" in raw:
+        given["max_metrics_bytes"] = raw["max_metrics_bytes"]  # checked by cfg.check() below
+    cfg = section(PublisherConfig, raw, "publisher", **given)
     if not cfg.instances and not cfg.envoy_admin:
         raise ConfigError("publisher: give 'instances' or 'envoy_admin' (Envoy admin URL for discovery)")
     cfg.check()

@@ -6,7 +6,7 @@ per-candidate view is built only when read: per candidate, the first filter that
 scorer the raw score, the weight and the weighted contribution `weight x clamp(raw)`, which add up to
 the total. Without an Explanation the framework records nothing (a few `is None` tests per decision).
 
-Two ways out, both off by default (`explain:` in the service YAML, `ExplainSettings`):
+Two ways out, both off by default (`explain:` in the service YAML, `settings.ExplainSettings`):
 - a response header, `x-llm-decision`: by default (`detail: summary`) the chosen cluster, the profile
   and the number of candidates, nothing else: the header goes to clients, and upstream addresses or
   per-upstream scores (those of the prefix scorers say whose prompts an engine caches: a side channel
@@ -26,88 +26,19 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from extproc.fleet import Upstream
-from extproc.settings import ConfigError, check_keys, integer, mapping
 
-EXPLAIN_REQUEST_HEADER = "x-llm-explain"
-"""A client asks for the decision header with `x-llm-explain: 1` (honoured only with `header: on_request`)."""
 DECISION_HEADER = "x-llm-decision"
 """Set on the routed request; envoy.yaml copies it onto the response (`%REQ(x-llm-decision)%`)."""
-HEADER_MODES = ("off", "on_request", "always")
-DETAIL_LEVELS = ("summary", "full")
 MAX_HEADER_BYTES = 512
 TOP_CANDIDATES = 3
 EXPLAINED_FIGURES = ("token_ratio", "ttft_error_s")  # reporting plugins' figures shown per upstream
-MAX_KEEP_LAST = 10_000
-
-
-@dataclass(slots=True, frozen=True)
-class ExplainSettings:
-    """`explain:` in the service YAML.
-
-    header: `off` (default; `false` too): no header whatever the client sends. `on_request` (`true`
-    too): only for requests carrying `x-llm-explain: 1`, so a client cannot turn work on unless the
-    operator allowed it, and even then pays only for its own requests. `always`: every routed request
-    (a staging gateway). keep_last: decisions kept for /debug/decisions; 0 (default) turns the endpoint
-    off (404) and records nothing. While it is above 0 every decision is recorded (a copy of what
-    each plugin returned; its cost: docs/benchmarks.md, "Decision explanation"). detail: what the
-    header tells the client: `summary` (default) the picked cluster, the profile and the candidate
-    count; `full` also the picked upstream's id (`cluster/ip:port` in endpoint mode), its calibration
-    figures and the top candidates' ids, totals and per-scorer contributions, which expose upstream
-    addresses and what the prefix scorers know of other clients' prompts: only where the header's
-    readers are trusted. /debug/decisions (the metrics port, operators only) is always complete."""
-
-    header: str = "off"
-    keep_last: int = 0
-    detail: str = "summary"
-
-    def wants_header(self, headers: Mapping[str, str]) -> bool:
-        """Whether this request's response gets the decision header."""
-        if self.header == "off":
-            return False
-        return self.header == "always" or headers.get(EXPLAIN_REQUEST_HEADER, "").strip() == "1"
-
-    def header_for(self, explanation: Explanation) -> str:
-        """The decision header's value at this `detail` level."""
-        return explanation.header_value() if self.detail == "full" else explanation.summary_value()
-
-
-EXPLAIN_KEYS = ("header", "keep_last", "detail")
-
-
-def explain_settings(raw: Any) -> ExplainSettings:
-    where = "config: 'explain'"
-    section = mapping(raw, where)
-    check_keys(section, EXPLAIN_KEYS, where)
-    values: dict[str, Any] = {}
-    if "header" in section:
-        header = section["header"]
-        if header is True:
-            header = "on_request"
-        elif header is False or header is None:
-            header = "off"
-        if header not in HEADER_MODES:
-            raise ConfigError(
-                f"{where}.header must be one of {list(HEADER_MODES)} (or true/false), not {header!r}"
-            )
-        values["header"] = header
-    if "keep_last" in section:
-        keep = integer(section["keep_last"], f"{where}.keep_last", minimum=0)
-        if keep > MAX_KEEP_LAST:
-            raise ConfigError(f"{where}.keep_last must be at most {MAX_KEEP_LAST}, got {keep}")
-        values["keep_last"] = keep
-    if "detail" in section:
-        detail = section["detail"]
-        if detail not in DETAIL_LEVELS:
-            raise ConfigError(f"{where}.detail must be one of {list(DETAIL_LEVELS)}, not {detail!r}")
-        values["detail"] = detail
-    return ExplainSettings(**values)
 
 
 @dataclass(slots=True)

@@ -51,7 +51,6 @@ from typing import Any, TypeGuard
 import msgpack
 from redis.exceptions import ResponseError
 
-from extproc.config import SyncSettings
 from extproc.fleet import FleetView, InFlight, Pool, RemoteInFlight, RoutingMode
 from extproc.fleet.redis_feed import cancel_until_done, follow_channel, redis_client
 from extproc.scheduling import Profile, SharedPlugin
@@ -63,7 +62,7 @@ from extproc.scheduling.sharing import (
     is_int,
     unpack_hashes,
 )
-from extproc.settings import ConfigError, RedisSettings
+from extproc.settings import ConfigError, RedisSettings, SyncSettings
 from extproc.telemetry import Metrics
 from extproc.telemetry.supervision import supervised
 
