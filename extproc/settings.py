@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 from urllib.parse import unquote
 
 
@@ -27,20 +27,20 @@ class ConfigError(ValueError):
 # its value is checked (`setting(default, Check(...))`), and `section()` reads a YAML mapping into a
 # record by those declarations. The key tree that `check-config --keys` prints and that the docs are
 # checked against, and the defaults the docs show, come from the same fields (config.service_keys,
-# config.service_defaults). A field without a Check is read by its section's own parser: a file that
+# config.service_schema). A field without a Check is read by its section's own parser: a file that
 # must exist, a nested mapping, a default computed at start-up.
 CHECK = "check"
 REQUIRED = "(required)"  # the default shown for a setting that has none
 R = TypeVar("R")
+CheckKind = Literal["number", "integer", "boolean", "string", "strings", "choice", "listen", "header"]
 
 
 @dataclass(slots=True, frozen=True)
 class Check:
-    """How one YAML value becomes a setting: a kind of the vocabulary below (`number`, `integer`,
-    `boolean`, `string`, `strings`, `choice`, `listen`, `header`), its bounds, and whether null is
-    accepted (as None: the setting unset)."""
+    """How one YAML value becomes a setting: a kind of the vocabulary below, its bounds, and whether
+    null is accepted (as None: the setting unset)."""
 
-    kind: str
+    kind: CheckKind
     positive: bool = False
     minimum: float | None = None
     maximum: float | None = None
