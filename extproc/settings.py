@@ -283,9 +283,8 @@ class HeaderNames:
     priority: str = setting("x-llm-priority", HEADER)
     ttft_slo: str = setting("x-llm-ttft-slo-ms", HEADER)  # the client's TTFT objective (opt-in shedding)
     tpot_slo: str = setting("x-llm-tpot-slo-ms", HEADER)  # the client's TPOT objective (opt-in shedding)
-    ticket: str = setting("x-llm-ticket", HEADER)  # set on routed requests; Envoy's access log echoes it
-    stream: str = setting("x-llm-stream", HEADER)  # set on streaming requests: envoy.yaml gives them a
-    # header timeout
+    ticket: str = setting("x-llm-ticket", HEADER)  # set on routed requests; the access log echoes it
+    stream: str = setting("x-llm-stream", HEADER)  # set on streaming requests (a header timeout)
 
 
 # -- admission (lifecycle/admission.py, `admission:` in the service YAML) ---------------------------

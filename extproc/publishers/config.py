@@ -59,10 +59,8 @@ class InstanceSpec:
     models: tuple[str, ...] = setting((), Check("strings", empty=True))
     capacity_weight: float = setting(1.0, Check("number", positive=True))
     draining: bool = setting(False, Check("boolean"))
-    metrics_path: str = setting(
-        "", Check("string", empty=True, nullable=True)
-    )  # "": the engine's own default
-    # (e.g. /prometheus/metrics for trtllm-serve)
+    # "" (or null): the engine's own default, e.g. /prometheus/metrics for trtllm-serve
+    metrics_path: str = setting("", Check("string", empty=True, nullable=True))
     health_path: str = setting("/health", Check("string"))
     # An NVIDIA DCGM exporter that sees this instance's GPUs (e.g. "http://{host}:9400/metrics";
     # {host} is the instance's IP), and which of its GPUs are this instance's (`gpu` indices or UUIDs;
@@ -113,13 +111,15 @@ class PublisherConfig:
     discovery_interval_s: float = setting(
         DEFAULT_DISCOVERY_INTERVAL_S, Check("number", minimum=0.1, maximum=86400.0)
     )
+    # None: derived from the interval (scrape_deadline_s)
     scrape_timeout_s: float | None = setting(
         None, Check("number", minimum=0.005, maximum=600.0, nullable=True)
-    )  # None: derived from the interval (scrape_deadline_s)
-    metrics_listen: str | None = setting(None, Check("listen", nullable=True))  # the publisher's
-    # own /metrics; None: off
-    max_metrics_bytes: int = DEFAULT_MAX_METRICS_BYTES  # larger /metrics pages are failed scrapes
-    # (checked by check(), which the Publisher runs on configs built in code too)
+    )
+    # the publisher's own /metrics; None: off
+    metrics_listen: str | None = setting(None, Check("listen", nullable=True))
+    # larger /metrics pages are failed scrapes; checked by check(), which the Publisher also runs on
+    # configs built in code
+    max_metrics_bytes: int = DEFAULT_MAX_METRICS_BYTES
     publisher_id: str = setting_from(lambda: f"{socket.gethostname()}-{os.getpid()}", Check("string"))
 
     @property
