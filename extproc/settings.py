@@ -28,7 +28,9 @@ class ConfigError(ValueError):
 # record by those declarations. The key tree that `check-config --keys` prints and that the docs are
 # checked against, and the defaults the docs show, come from the same fields (config.service_keys,
 # config.service_schema). A field without a Check is read by its section's own parser: a file that
-# must exist, a nested mapping, a default computed at start-up.
+# must exist, a nested mapping, a default computed at start-up. A setting without a default is
+# `field(metadata={CHECK: ...})` (spelt out so that type checkers see it has none): the section names
+# it when missing.
 CHECK = "check"
 REQUIRED = "(required)"  # the default shown for a setting that has none
 R = TypeVar("R")
@@ -117,11 +119,6 @@ def setting(default: Any, check: Check) -> Any:
 def setting_from(factory: Any, check: Check) -> Any:
     """`setting` with a default made per record (a mutable or computed default)."""
     return field(default_factory=factory, metadata={CHECK: check})
-
-
-def required(check: Check) -> Any:
-    """A setting without a default: the section names it as missing."""
-    return field(metadata={CHECK: check})
 
 
 def yaml_keys(record: type) -> tuple[str, ...]:
@@ -842,13 +839,13 @@ class KubernetesDiscovery:
     watched through the API server's HTTP API with the pod's service-account token (RBAC:
     get/list/watch endpointslices; extproc.discovery.kubernetes)."""
 
-    cluster: str = required(Check("string"))
+    cluster: str = field(metadata={CHECK: Check("string")})
     """The pool cluster (endpoint routing mode) whose endpoints this fills."""
-    label_selector: str = required(Check("string"))
+    label_selector: str = field(metadata={CHECK: Check("string")})
     """Which EndpointSlices, e.g. `kubernetes.io/service-name=vllm` (the Service's slices)."""
-    namespace: str = ""
+    namespace: str
     """Default: the pod's namespace (its service-account file), else "default"."""
-    api_server: str = ""
+    api_server: str
     """Default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT."""
     port: int | None = setting(None, Check("integer", minimum=1, maximum=65535, nullable=True))
     """The model servers' port; None: the slice's port named `port_name`, else its first port."""

@@ -18,6 +18,7 @@ from extproc.config import (
     _SCALAR_KEYS,
     _SECTIONS,
     ANY,
+    DECLARED_SECTIONS,
     REQUIRED,
     config_from_dict,
     key_paths,
@@ -26,7 +27,7 @@ from extproc.config import (
 )
 from extproc.publishers.config import load_publisher_config, publisher_keys
 from extproc.scheduling.framework import PROFILE_KEYS, plugin_parameters
-from extproc.settings import ConfigError
+from extproc.settings import ConfigError, checks, yaml_keys
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -129,6 +130,14 @@ def test_the_schema_reads_what_each_key_takes() -> None:
 def test_the_key_tree_is_the_parsers_key_sets() -> None:
     schema = service_keys()
     assert set(schema) == {*_SCALAR_KEYS, *_SECTIONS}
+    for path, record in DECLARED_SECTIONS.items():  # the schema's records are the tree's sections
+        subtree = schema
+        for name in filter(None, path.split(".")):
+            subtree = subtree[name]
+        if path:
+            assert set(subtree) == set(yaml_keys(record)), path
+        else:  # the top level: ServiceConfig's declared scalars (its other fields are built objects)
+            assert set(checks(record)) <= set(subtree)
     assert set(schema["scheduling"]["profiles"][ANY]) == set(PROFILE_KEYS)
     pool = {"clusters": [{"name": "a", "models": ["m"]}]}
     with pytest.raises(ConfigError, match="unknown keys"):
@@ -181,6 +190,9 @@ def test_check_config_lists_the_keys(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out.splitlines()
     assert "admission.objectives.models.*.critical" in out and "scorer predicted-ttft: block_tokens" in out
     assert out[-1].startswith("# ") and "service keys" in out[-1]
+    assert all(line.strip() for line in out), "a blank line in the listing"
+    assert any(line.startswith("fleet.sentinels ") and line.endswith("; default []") for line in out)
+    assert any(line.startswith("admission.max_kv_usage ") and line.endswith("; default null") for line in out)
     counts = re.search(
         r"(\d+) keys in (\d+) sections, and (\d+) plugin\s+parameters",
         DOCS.joinpath("configuration.md").read_text(),

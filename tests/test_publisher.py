@@ -521,6 +521,10 @@ def test_trtllm_serve_metrics_path_default() -> None:
     assert spec.metrics_path == "/prometheus/metrics"
     assert InstanceSpec("c", "10.0.0.1:8000", "trtllm-serve").metrics_path == "/prometheus/metrics"
     assert InstanceSpec("c", "10.0.0.1:8000").metrics_path == "/metrics"
+    unset = {"cluster": "c", "address": "10.0.0.1:8000", "engine": "trtllm-serve", "metrics_path": None}
+    assert instance_from_dict(unset).metrics_path == "/prometheus/metrics"  # null: the engine's own
+    with pytest.raises(ValueError, match="metrics_path"):
+        instance_from_dict({**unset, "metrics_path": 3})
 
 
 def test_load_config_top_level_not_mapping(tmp_path: Path) -> None:

@@ -58,7 +58,8 @@ def yaml_value(value: object) -> str:
     """A default as it is written in the YAML (null, true, [])."""
     import yaml
 
-    return str(yaml.safe_dump(list(value) if isinstance(value, tuple) else value).removesuffix("\n...\n"))
+    text = yaml.safe_dump(list(value) if isinstance(value, tuple) else value, default_flow_style=True)
+    return str(text).removesuffix("...\n").strip()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from extproc.publishers.engines import (
 )
 from extproc.publishers.kv_events import KvEventsSpec, kv_events_spec
 from extproc.settings import (
+    CHECK,
     DEFAULT_DISCOVERY_INTERVAL_S,
     DEFAULT_PUBLISH_INTERVAL_S,
     DEFAULT_SCRAPE_TIMEOUT_S,
@@ -32,7 +33,6 @@ from extproc.settings import (
     RedisSettings,
     mapping,
     redis_settings,
-    required,
     section,
     setting,
     setting_from,
@@ -53,8 +53,10 @@ MIN_METRICS_BYTES = 4096
 class InstanceSpec:
     """One engine instance to scrape (an entry of `instances:`, or a host Envoy's admin API names)."""
 
-    cluster: str = required(Check("string"))
-    address: str = required(Check("string"))  # ip:port ([v6]:port), checked by instance_from_dict
+    cluster: str = field(metadata={CHECK: Check("string")})
+    address: str = field(
+        metadata={CHECK: Check("string")}
+    )  # ip:port ([v6]:port), checked by instance_from_dict
     engine: str = setting("vllm", Check("choice", choices=tuple(ENGINE_METRICS)))
     models: tuple[str, ...] = setting((), Check("strings", empty=True))
     capacity_weight: float = setting(1.0, Check("number", positive=True))
