@@ -112,6 +112,34 @@ def test_a_steady_queue_below_a_batch_already_run_is_no_cap() -> None:
     assert b.limit("e") == 9 and b.limit("e", cap=True) is None
 
 
+def test_a_queue_with_no_cache_room_for_one_more_request_is_no_sequence_cap() -> None:
+    """An engine whose KV cache holds a few prompts queues at 3 with the cache 80 % used (a fourth
+    prompt of the mean size would take it to 107 %): the cache's limit, which moves with the prompts
+    placed there. It bounds admission's count, but it is no cap to keep places by, alone or shared
+    by engines alike; the same queue with room in the cache is one."""
+    kind = {"kv_blocks_total": 600}
+
+    def queues(t: float, kv_a: float, kv_b: float) -> dict[str, Snap]:
+        return {
+            "a": Snap(3, 1, t, kv_cache_usage=kv_a, **kind),
+            "b": Snap(3, 2, t, kv_cache_usage=kv_b, **kind),
+        }
+
+    b = BatchLimits()
+    for t in (1.0, 1.5):
+        b.take_all(queues(t, 0.8, 0.7))
+    assert b.limit("a") == 3 and b.limit("b") == 3  # admission's count
+    assert b.limit("a", cap=True) is None and b.limit("b", cap=True) is None
+    b.take_all({**queues(2.0, 0.8, 0.7), "c": Snap(1, 0, 2.0, **kind)})
+    assert b.limit("c", shared=True) is None and b.limit("c") is None
+    d = BatchLimits()
+    for t in (1.0, 1.5):
+        d.take_all(queues(t, 0.6, 0.5))
+    assert d.limit("a", cap=True) == 3  # room for one more: a sequence cap
+    d.take_all({**queues(1.5, 0.6, 0.5), "c": Snap(1, 0, 1.5, **kind)})
+    assert d.limit("c", shared=True) == 3
+
+
 def test_engines_alike_start_from_the_sequence_cap_two_of_them_showed() -> None:
     """A cold fleet fills every batch within seconds: an engine that has shown nothing yet is read
     at the cap two engines of its kind (KV blocks, block size, instances, GPUs) showed, each steady

@@ -11,8 +11,10 @@ run at once (`max_num_seqs`), that is the limit from the first snapshot on (a co
 batches within seconds, before any queue shows them), lowered where the KV cache fills first. A
 limit is a sequence cap (`limit(cap=True)`) only where it does not move with the prompts: published,
 or queues at one size that is the most the engines ever ran, snapshot after snapshot, or the size at
-which two engines alike (one deployment's replicas) queue at their most (`limit(shared=True)`). One
-engine's one queue is not a cap: a token budget or a burst of arrivals shows one at any size."""
+which two engines alike (one deployment's replicas) queue at their most (`limit(shared=True)`), each
+with room in the KV cache for one more request of the mean size there. One engine's one queue is not
+a cap: a token budget or a burst of arrivals shows one at any size; nor is a queue with no room in the
+cache, which an engine holding a few long prompts shows well below KV_FULL."""
 
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ class _Batch:
     cap: float | None = None  # the published most requests at once (max_num_seqs), while trusted
     kind: Kind | None = None  # None: the engines do not say their KV blocks
     published_cap: float | None = None  # the figure last published (a wrong one is not trusted again)
+    cache_queue: bool = False  # the last queue was the KV cache's: no room for one more request there
 
 
 class BatchLimits:
@@ -104,12 +107,14 @@ class BatchLimits:
         under overload, or a full KV cache where a request sharing cached blocks still fits. With
         `cap`, the limit only while it is a sequence cap: published, or `STEADY_QUEUES` queueing
         snapshots in a row at one size no smaller than any run before and not run past since with
-        none waiting, or its kind's. Not a full KV cache's or a token budget's limit (they move with
-        the prompts placed there: placement that keeps places by them moves requests off their
-        prefix holders), nor one engine's single queue at the most it ran (on multi-turn chats,
-        kept by it, conversations left the engines holding them: notebook/benchmarks-history.md,
-        "One queue is not a cap"). With `shared`, only its kind's cap (not a published one): what
-        engines alike showed, the surest of the learnt ones."""
+        none waiting, with room in the KV cache for one more request, or its kind's. Not a full KV
+        cache's or a token budget's limit (they move with the prompts placed there: placement that
+        keeps places by them moves requests off their prefix holders; shared, a cache's limit at 3
+        bounded engines alike that had room, and admission shed requests they could have run:
+        notebook/benchmarks-history.md, "A cache's queue is not a cap"), nor one engine's single
+        queue at the most it ran (on multi-turn chats, kept by it, conversations left the engines
+        holding them: "One queue is not a cap"). With `shared`, only its kind's cap (not a
+        published one): what engines alike showed, the surest of the learnt ones."""
         seen = self._seen.get(upstream_id)
         if seen is None:
             return None
@@ -161,7 +166,7 @@ class BatchLimits:
                 continue
             size = seen.steady
             queued = seen.queued_at
-            if size is None and queued is not None and queued >= seen.most:
+            if size is None and queued is not None and queued >= seen.most and not seen.cache_queue:
                 size = queued
             if size is not None:
                 n = queues[(seen.kind, size)] = queues.get((seen.kind, size), 0) + 1
@@ -218,6 +223,9 @@ class BatchLimits:
             # held standard requests at half load). Otherwise used only while the queue is there
             # (limit() reads `queued_at`).
             seen.full_since = None
+            # The cache's queue, not a sequence cap, where one more request of the mean size there
+            # would take it past KV_FULL (an engine with room for few prompts queues well below it).
+            seen.cache_queue = kv_usage * (running + 1.0) >= KV_FULL * running
             if seen.probed_from is not None and running <= seen.probed_from:
                 # The probe failed: back to the limit it started from, and the next one waits
                 # twice as long (each probe costs the request that queues behind the batch).
@@ -227,10 +235,11 @@ class BatchLimits:
             elif kv_usage >= KV_FULL or (seen.queued_at == running and running >= most):
                 seen.limit = running
             seen.queued_at = running
-            # A sequence cap (limit(cap=True)): STEADY_QUEUES queues in a row at one size, the most run.
+            # A sequence cap (limit(cap=True)): STEADY_QUEUES queues in a row at one size, the most run,
+            # with room in the cache.
             seen.queue_runs = seen.queue_runs + 1 if running == seen.queue_size else 1
             seen.queue_size = running
-            if seen.queue_runs >= STEADY_QUEUES and running >= most:
+            if seen.queue_runs >= STEADY_QUEUES and running >= most and not seen.cache_queue:
                 seen.steady = running
             return
         seen.queued_at = None
