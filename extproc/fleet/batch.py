@@ -109,7 +109,7 @@ class BatchLimits:
         snapshots in a row at one size no smaller than any run before and not run past since with
         none waiting, with room in the KV cache for one more request, or its kind's. Not a full KV
         cache's or a token budget's limit (they move with the prompts placed there: placement that
-        keeps places by them moves requests off their prefix holders; shared, a cache's limit at 3
+        keeps places by them moves requests off their prefix holders; shared, a cache's limit
         bounded engines alike that had room, and admission shed requests they could have run:
         notebook/benchmarks-history.md, "A cache's queue is not a cap"), nor one engine's single
         queue at the most it ran (on multi-turn chats, kept by it, conversations left the engines
@@ -151,12 +151,13 @@ class BatchLimits:
     def _share(self, loads: Mapping[str, BatchReport]) -> None:
         """The sequence cap each kind of engine showed (the same KV blocks, block size, instances and
         GPUs: one configuration, as a deployment's replicas run): a size at which AGREEING_ENGINES of
-        the kind have a steady cap or queue now at the most they ever ran. An engine that has shown
-        nothing itself is read at that cap (`_sibling`): a cold fleet fills every batch within
-        seconds, before each engine's own queues show its cap, and a queue ahead of a cap costs
-        seconds a request. One engine's alone is not shared: on engines bound by their KV cache or
-        token budget such a queue is often a prompt mix's (notebook/benchmarks-history.md, "Caps
-        shared by engines alike"). The largest shown, and only for an engine that never ran more."""
+        the kind have a steady cap or queue now at the most they ever ran, with room in the cache
+        (not `cache_queue`). An engine that has shown nothing itself is read at that cap
+        (`_sibling`): a cold fleet fills every batch within seconds, before each engine's own queues
+        show its cap, and a queue ahead of a cap costs seconds a request. One engine's alone is not
+        shared: on engines bound by their KV cache or token budget such a queue is often a prompt
+        mix's (notebook/benchmarks-history.md, "Caps shared by engines alike"). The largest shown,
+        and only for an engine that never ran more."""
         shown: dict[Kind, float] = {}
         queues: dict[tuple[Kind, float], int] = {}
         seen_all = self._seen
