@@ -54,9 +54,8 @@ class InstanceSpec:
     """One engine instance to scrape (an entry of `instances:`, or a host Envoy's admin API names)."""
 
     cluster: str = field(metadata={CHECK: Check("string")})
-    address: str = field(
-        metadata={CHECK: Check("string")}
-    )  # ip:port ([v6]:port), checked by instance_from_dict
+    # ip:port ([v6]:port), checked by instance_from_dict
+    address: str = field(metadata={CHECK: Check("string")})
     engine: str = setting("vllm", Check("choice", choices=tuple(ENGINE_METRICS)))
     models: tuple[str, ...] = setting((), Check("strings", empty=True))
     capacity_weight: float = setting(1.0, Check("number", positive=True))
