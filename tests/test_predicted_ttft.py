@@ -16,6 +16,7 @@ from extproc.fleet import snapshot_pb2 as spb
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai import Api, InferenceRequest
 from extproc.openai.parse import parse_head
+from extproc.scheduling import ttft_predictor
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
 from extproc.scheduling.ttft_predictor import ROOM_WAIT_FLOOR, TtftPredictor
 from extproc.settings import ConfigError
@@ -127,7 +128,7 @@ def _req(system: str) -> InferenceRequest:
     return InferenceRequest(Api.CHAT, "m", False, None, text, None, None, None, 0, len(text))
 
 
-def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
+def test_snapshots_reporting_an_empty_queue_drain_a_stale_backlog() -> None:
     scorer = PredictedTtftScorer(prefill_tokens_per_s=1000)
     inflight = InFlight()
     clock = {"t": 100.0}
@@ -144,15 +145,38 @@ def test_an_engine_reporting_an_empty_queue_clears_a_stale_backlog() -> None:
         r = _req(TENANTS["ABCDE"[q]])
         scorer.score(r, [a], state)
         scorer.on_pick(r, a, state)
-    assert scorer.predictor._models["a"].busy_until - clock["t"] > 5
-    # One second later the engine says nothing waits: only what was sent after its snapshot can.
+    model = scorer.predictor._models["a"]
+    queued = model.busy_until
+    assert queued - clock["t"] > 5
+    # One second later the engine says nothing waits. Its prompts may still be in prefill (running),
+    # so a share of what was queued before the snapshot is kept, not all of it.
     clock["t"] = 101.0
     view.apply(
         instance_state("a/0", "a", None, num_waiting=0, published_at=100.9, expires_at=110.0, sequence=9)
     )
     view.rebuild()
     scorer.score(_req(TENANTS["F"]), [a], state)
-    assert scorer.predictor._models["a"].busy_until <= 101.0
+    kept = ttft_predictor.BACKLOG_KEPT
+    assert model.busy_until == pytest.approx(100.9 + kept * (queued - 100.9))
+    # Every further snapshot with none waiting cuts it again: it drains faster than in real time.
+    for n in range(1, 25):
+        clock["t"] = 101.0 + n * 0.5
+        view.apply(
+            instance_state(
+                "a/0",
+                "a",
+                None,
+                num_waiting=0,
+                published_at=clock["t"] - 0.1,
+                expires_at=200.0,
+                sequence=9 + n,
+            )
+        )
+        view.rebuild()
+        scorer.score(_req(TENANTS["F"]), [a], state)
+        if n == 2:
+            assert 0.5 < model.busy_until - clock["t"] < queued - clock["t"] - 1.0
+    assert model.busy_until - clock["t"] < 0.05
 
 
 def _mixed_fleet(

@@ -16,9 +16,11 @@ For a candidate u, the request's own predicted TTFT is
   readiness (a restart). Where u's engine publishes KV-cache events (fleet/kv_index.py) and the prompt
   was tokenized, the engine's exact set replaces the model's guess (united with pinned blocks).
 - `wait(u)` is a virtual prefill queue: each routed request adds its uncached prefill time; the queue
-  drains in real time at `rate(u)`. Snapshots correct it: an engine that reports no waiting request
-  cannot have more queued than what was sent after the snapshot; one reporting W waiting has at least
-  W average prefills queued.
+  drains in real time at `rate(u)`. Snapshots correct it: one reporting W waiting has at least W
+  average prefills queued. One reporting none waiting may still be prefilling (engines that prefill in
+  chunks count those prompts as running), so what the queue held before that snapshot is cut to a
+  share (`BACKLOG_KEPT`) rather than dropped: repeated snapshots with none waiting drain it, and a
+  busy engine stays busy in the model through the first seconds, when the prompts are cold.
 - `rate(u)` is the engine's measured prefill throughput (scheduling/capacity.py: alike GPUs share one
   figure, so a busy engine's low readings are not taken for a slower GPU; the configured
   `prefill_tokens_per_s` until measured), so GPUs of different speeds get their share without
@@ -60,6 +62,9 @@ MAX_DEMAND_KEYS = 100_000  # prefix ends whose recent demand is counted (copy_de
 # its batch over (notebook/benchmarks-history.md, "Preemptions in the measured prefill rate, and the
 # KV-room wait").
 ROOM_WAIT_FLOOR = 0.1
+# The share of the prefill queued before a snapshot with no request waiting that is kept past it
+# (notebook/benchmarks-history.md, "The prefill backlog past a snapshot with none waiting").
+BACKLOG_KEPT = 0.8
 
 
 @dataclass(slots=True)
@@ -221,11 +226,16 @@ class TtftPredictor:
             since = load.published_at
             # The queue as it would be had it been empty at the snapshot, then fed what was sent since.
             refill = since
+            sent_since = 0.0
             for t, s in sent:
                 if t > since:
                     refill = max(refill, t) + s
+                    sent_since += s
             if load.num_waiting == 0:
-                model.busy_until = min(model.busy_until, refill)
+                # What was queued before the snapshot, a share of it kept: none waiting is not none
+                # in prefill.
+                left = max(0.0, model.busy_until - since - sent_since)
+                model.busy_until = min(model.busy_until, refill + BACKLOG_KEPT * left)
             else:
                 floor = refill + load.num_waiting * model.mean_prefill_s
                 model.busy_until = max(model.busy_until, floor)
