@@ -179,6 +179,42 @@ def test_snapshots_reporting_an_empty_queue_drain_a_stale_backlog() -> None:
     assert model.busy_until - clock["t"] < 0.05
 
 
+def test_a_measured_prefill_rate_rereads_the_seconds_queued_at_the_configured_one() -> None:
+    """Before its first measurement an engine's queue is in seconds at `prefill_tokens_per_s`; an
+    H100 measured at ~13x that has the same work queued, done 13x sooner."""
+    scorer = PredictedTtftScorer(prefill_tokens_per_s=1000)
+    clock = {"t": 100.0}
+
+    class State(SchedulingState):
+        def now(self) -> float:
+            return clock["t"]
+
+    cfg = config_from_dict({"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "metrics_listen": None})
+    view = FleetView(cfg.pool, clock=lambda: clock["t"])
+    state = State(InFlight(), view)
+    a = Upstream("a", "a", None, 1.0)
+    for q in range(5):
+        r = _req(TENANTS["ABCDE"[q]])
+        scorer.score(r, [a], state)
+        scorer.on_pick(r, a, state)
+    model = scorer.predictor._models["a"]
+    queued = model.busy_until - clock["t"]
+    assert queued > 5
+
+    def snapshot(rate: float, sequence: int) -> None:
+        # one request waiting: no cut for an empty queue, only the rate moves
+        fields = {"num_waiting": 1, "prefill_tokens_per_s": rate, "published_at": 100.0, "sequence": sequence}
+        view.apply(instance_state("a/0", "a", None, **fields))
+        view.rebuild()
+        scorer.score(_req(TENANTS["F"]), [a], state)
+
+    snapshot(1100.0, 2)  # within the tolerance: left as it is
+    assert model.busy_until - clock["t"] == pytest.approx(queued)
+    snapshot(10_000.0, 3)
+    assert model.busy_until - clock["t"] == pytest.approx(queued / 10, rel=0.01)
+    assert model.rate == pytest.approx(10_000.0)
+
+
 def _mixed_fleet(
     measured: dict[str, float], gpus: dict[str, str] | None = None, **params: Any
 ) -> tuple[RequestLifecycle, FleetView]:

@@ -24,7 +24,8 @@ For a candidate u, the request's own predicted TTFT is
 - `rate(u)` is the engine's measured prefill throughput (scheduling/capacity.py: alike GPUs share one
   figure, so a busy engine's low readings are not taken for a slower GPU; the configured
   `prefill_tokens_per_s` until measured), so GPUs of different speeds get their share without
-  hand-set weights.
+  hand-set weights. Where it moves past `RATE_RESCALE` (the first measurement of a GPU faster than
+  the configured figure), the seconds already queued are re-read at the new rate.
 - Tokens are this service's count (token ids with a tokenizer, bytes/4 without), converted into the
   engine's wherever they meet an engine figure (KV capacity, prefill rate) by the ratio learnt from the
   engine's own prompt-token counter (scheduling/calibration.py). The same calibration compares each
@@ -65,6 +66,9 @@ ROOM_WAIT_FLOOR = 0.1
 # The share of the prefill queued before a snapshot with no request waiting that is kept past it
 # (notebook/benchmarks-history.md, "The prefill backlog past a snapshot with none waiting").
 BACKLOG_KEPT = 0.8
+# An engine's prefill rate moving by more than this factor (its first measurement, a slowed GPU)
+# re-reads the seconds queued there at the new rate: they were computed at the old one.
+RATE_RESCALE = 1.25
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ class _UpstreamModel:
     epoch: int = 0
     busy_until: float = 0.0  # when the prefill work sent here is predicted to be done
     snapshot_at: float = 0.0  # published_at of the last snapshot used for a correction
+    rate: float = 0.0  # the prefill rate (engine tokens/s) the queued seconds were computed at
     sent: deque[tuple[float, float]] = field(default_factory=deque)  # (when, prefill seconds) recent
     mean_prefill_s: float = 0.0  # moving mean of the prefill seconds of requests sent here
 
@@ -214,8 +219,13 @@ class TtftPredictor:
         model = self._model(upstream.id, state.load(upstream.id))
         return self._wait(model, state.load(upstream.id), state.now()), model.mean_prefill_s
 
-    def _wait(self, model: _UpstreamModel, load: Load | None, now: float) -> float:
-        """Seconds of prefill queued ahead, with the engine's last word applied."""
+    def _wait(self, model: _UpstreamModel, load: Load | None, now: float, rate: float = 0.0) -> float:
+        """Seconds of prefill queued ahead at `rate` (the engine's prefill tokens/s, when known),
+        with the engine's last word applied."""
+        if rate and model.rate and not 1 / RATE_RESCALE <= rate / model.rate <= RATE_RESCALE:
+            _rescale(model, model.rate / rate, now)
+        if rate and not model.rate:
+            model.rate = rate
         sent = model.sent
         while sent and sent[0][0] < now - SENT_WINDOW_S:
             sent.popleft()
@@ -325,7 +335,7 @@ class TtftPredictor:
             engine_rate = rates[u.id]  # the engine's tokens per second
             rate = engine_rate / ratio(u.id)  # tokens of this service's count per second
             uncached = pred.tokens - min(m * bt, pred.tokens - 1)
-            ttft = self._wait(model, load, now) + uncached / rate
+            ttft = self._wait(model, load, now, engine_rate) + uncached / rate
             ttft += self.decode_tokens_per_running * running / engine_rate
             ttft += slot_wait(state, u.id)
             cache = model.cache
@@ -495,7 +505,7 @@ class TtftPredictor:
             uncached = pred.tokens - min(cached, pred.tokens - 1)
             rate = self._rates((upstream,), (load,))[upstream.id]
             prefill_s = uncached * self.calibration.ratio(upstream.id) / rate
-            own = self._wait(model, load, now) + prefill_s
+            own = self._wait(model, load, now, rate) + prefill_s
         else:
             prefill_s = facts.uncached * self.calibration.ratio(upstream.id) / facts.rate
             own = facts.own
@@ -659,6 +669,16 @@ class TtftPredictor:
 
     def index_sizes(self) -> dict[str, int]:
         return {uid: m.cache.used_blocks for uid, m in self._models.items()}
+
+
+def _rescale(model: _UpstreamModel, factor: float, now: float) -> None:
+    """The seconds queued at `model`, and those of its recent sends, times `factor` (the old rate
+    over the new): the same prefill work at another speed."""
+    if model.busy_until > now:
+        model.busy_until = now + (model.busy_until - now) * factor
+    model.sent = deque((t, s * factor) for t, s in model.sent)
+    model.mean_prefill_s *= factor
+    model.rate /= factor
 
 
 def slot_wait(state: FleetState, upstream_id: str, extra: int = 0, shared: bool = False) -> float:
