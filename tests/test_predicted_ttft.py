@@ -16,9 +16,8 @@ from extproc.fleet import snapshot_pb2 as spb
 from extproc.lifecycle import RequestLifecycle
 from extproc.openai import Api, InferenceRequest
 from extproc.openai.parse import parse_head
-from extproc.scheduling import ttft_predictor
 from extproc.scheduling.predicted_ttft import PredictedTtftScorer
-from extproc.scheduling.ttft_predictor import ROOM_WAIT_FLOOR, TtftPredictor
+from extproc.scheduling.ttft_predictor import BACKLOG_KEPT, ROOM_WAIT_FLOOR, TtftPredictor
 from extproc.settings import ConfigError
 from extproc.telemetry import Metrics
 from extproc.tokenization import block_hashes
@@ -128,52 +127,52 @@ def _req(system: str) -> InferenceRequest:
     return InferenceRequest(Api.CHAT, "m", False, None, text, None, None, None, 0, len(text))
 
 
+class _OneEngine:
+    """One upstream "a" with five ~1.4k-token prompts sent at t = 100 (~7 s of prefill at the
+    configured 1000 tokens/s), and a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.scorer = PredictedTtftScorer(prefill_tokens_per_s=1000)
+        self.clock = {"t": 100.0}
+        clock = self.clock
+
+        class State(SchedulingState):
+            def now(self) -> float:
+                return clock["t"]
+
+        cfg = config_from_dict(
+            {"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "metrics_listen": None}
+        )
+        self.view = FleetView(cfg.pool, clock=lambda: clock["t"])
+        self.state = State(InFlight(), self.view)
+        self.a = Upstream("a", "a", None, 1.0)
+        for q in range(5):
+            r = _req(TENANTS["ABCDE"[q]])
+            self.scorer.score(r, [self.a], self.state)
+            self.scorer.on_pick(r, self.a, self.state)
+        self.model = self.scorer.predictor._models["a"]
+
+    def snapshot(self, **fields: Any) -> None:
+        """The engine's snapshot, then a decision that reads it."""
+        self.view.apply(instance_state("a/0", "a", None, **fields))
+        self.view.rebuild()
+        self.scorer.score(_req(TENANTS["F"]), [self.a], self.state)
+
+
 def test_snapshots_reporting_an_empty_queue_drain_a_stale_backlog() -> None:
-    scorer = PredictedTtftScorer(prefill_tokens_per_s=1000)
-    inflight = InFlight()
-    clock = {"t": 100.0}
-
-    class State(SchedulingState):
-        def now(self) -> float:
-            return clock["t"]
-
-    cfg = config_from_dict({"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "metrics_listen": None})
-    view = FleetView(cfg.pool, clock=lambda: clock["t"])
-    state = State(inflight, view)
-    a = Upstream("a", "a", None, 1.0)
-    for q in range(5):  # 5 x ~1.4k-token prompts: ~7 s of predicted prefill
-        r = _req(TENANTS["ABCDE"[q]])
-        scorer.score(r, [a], state)
-        scorer.on_pick(r, a, state)
-    model = scorer.predictor._models["a"]
+    e = _OneEngine()
+    model, clock = e.model, e.clock
     queued = model.busy_until
     assert queued - clock["t"] > 5
     # One second later the engine says nothing waits. Its prompts may still be in prefill (running),
     # so a share of what was queued before the snapshot is kept, not all of it.
     clock["t"] = 101.0
-    view.apply(
-        instance_state("a/0", "a", None, num_waiting=0, published_at=100.9, expires_at=110.0, sequence=9)
-    )
-    view.rebuild()
-    scorer.score(_req(TENANTS["F"]), [a], state)
-    kept = ttft_predictor.BACKLOG_KEPT
-    assert model.busy_until == pytest.approx(100.9 + kept * (queued - 100.9))
+    e.snapshot(num_waiting=0, published_at=100.9, expires_at=110.0, sequence=9)
+    assert model.busy_until == pytest.approx(100.9 + BACKLOG_KEPT * (queued - 100.9))
     # Every further snapshot with none waiting cuts it again: it drains faster than in real time.
     for n in range(1, 25):
         clock["t"] = 101.0 + n * 0.5
-        view.apply(
-            instance_state(
-                "a/0",
-                "a",
-                None,
-                num_waiting=0,
-                published_at=clock["t"] - 0.1,
-                expires_at=200.0,
-                sequence=9 + n,
-            )
-        )
-        view.rebuild()
-        scorer.score(_req(TENANTS["F"]), [a], state)
+        e.snapshot(num_waiting=0, published_at=clock["t"] - 0.1, expires_at=200.0, sequence=9 + n)
         if n == 2:
             assert 0.5 < model.busy_until - clock["t"] < queued - clock["t"] - 1.0
     assert model.busy_until - clock["t"] < 0.05
@@ -182,35 +181,14 @@ def test_snapshots_reporting_an_empty_queue_drain_a_stale_backlog() -> None:
 def test_a_measured_prefill_rate_rereads_the_seconds_queued_at_the_configured_one() -> None:
     """Before its first measurement an engine's queue is in seconds at `prefill_tokens_per_s`; an
     H100 measured at ~13x that has the same work queued, done 13x sooner."""
-    scorer = PredictedTtftScorer(prefill_tokens_per_s=1000)
-    clock = {"t": 100.0}
-
-    class State(SchedulingState):
-        def now(self) -> float:
-            return clock["t"]
-
-    cfg = config_from_dict({"pool": {"clusters": [{"name": "a", "models": ["m"]}]}, "metrics_listen": None})
-    view = FleetView(cfg.pool, clock=lambda: clock["t"])
-    state = State(InFlight(), view)
-    a = Upstream("a", "a", None, 1.0)
-    for q in range(5):
-        r = _req(TENANTS["ABCDE"[q]])
-        scorer.score(r, [a], state)
-        scorer.on_pick(r, a, state)
-    model = scorer.predictor._models["a"]
+    e = _OneEngine()
+    model, clock = e.model, e.clock
     queued = model.busy_until - clock["t"]
     assert queued > 5
-
-    def snapshot(rate: float, sequence: int) -> None:
-        # one request waiting: no cut for an empty queue, only the rate moves
-        fields = {"num_waiting": 1, "prefill_tokens_per_s": rate, "published_at": 100.0, "sequence": sequence}
-        view.apply(instance_state("a/0", "a", None, **fields))
-        view.rebuild()
-        scorer.score(_req(TENANTS["F"]), [a], state)
-
-    snapshot(1100.0, 2)  # within the tolerance: left as it is
-    assert model.busy_until - clock["t"] == pytest.approx(queued)
-    snapshot(10_000.0, 3)
+    # one request waiting: no cut for an empty queue, only the rate moves
+    e.snapshot(num_waiting=1, prefill_tokens_per_s=1100.0, published_at=100.0, sequence=2)
+    assert model.busy_until - clock["t"] == pytest.approx(queued)  # within the tolerance: as it was
+    e.snapshot(num_waiting=1, prefill_tokens_per_s=10_000.0, published_at=100.0, sequence=3)
     assert model.busy_until - clock["t"] == pytest.approx(queued / 10, rel=0.01)
     assert model.rate == pytest.approx(10_000.0)
 
