@@ -306,6 +306,9 @@ DEFAULT_ADMISSION_OVERLOAD_WAIT_S: float | None = 0.25
 # `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: four 0.5 s publish
 # intervals (why: notebook/benchmarks-history.md, "TPOT-aware admission").
 DEFAULT_TPOT_WINDOW_S = 2.0
+# The TPOT gate closes at this share of `max_tpot_s`: what is admitted now shows in the smoothed
+# figure only seconds later, and a gate held at the objective itself leaves half the requests over it.
+DEFAULT_TPOT_MARGIN = 0.9
 
 
 POSITIVE = Check("number", positive=True)
@@ -444,9 +447,12 @@ class AdmissionSettings:
     seconds) reaches this has no headroom; below it, the headroom is what is left over the mean
     prefill of a request sent there (None: unused)."""
     max_tpot_s: float | None = setting(None, POSITIVE_OR_NULL)
-    """A candidate whose engine's time per output token (the snapshots' interval means, smoothed
-    over `tpot_window_s`) is at or above this has no headroom: one more sequence there slows every
-    running one (None: unused). Only while the model is saturated does it also restrict placement."""
+    """The TPOT objective (None: unused): a candidate whose engine's time per output token (the
+    snapshots' interval means, smoothed over `tpot_window_s`) is at or above `tpot_margin` of it has
+    no headroom: one more sequence there slows every running one. Only while the model is saturated
+    does it also restrict placement."""
+    tpot_margin: float = setting(DEFAULT_TPOT_MARGIN, Check("number", positive=True, maximum=1.0))
+    """The share of `max_tpot_s` at which the TPOT gate closes, in (0, 1] (DEFAULT_TPOT_MARGIN: why)."""
     tpot_window_s: float = setting(DEFAULT_TPOT_WINDOW_S, POSITIVE)
     max_queued: int = setting(DEFAULT_ADMISSION_MAX_QUEUED, Check("integer", minimum=0))
     max_wait_s: float = setting(DEFAULT_ADMISSION_MAX_WAIT_S, POSITIVE)

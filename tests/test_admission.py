@@ -437,16 +437,17 @@ async def test_snapshot_queue_depth_is_the_signal() -> None:
 
 
 async def test_decode_speed_is_a_signal_smoothed_over_the_window() -> None:
-    """`max_tpot_s`: an engine whose time per output token reaches the objective takes no more
-    (sheddable shed). One interval slowed by a long prefill step does not close it, a lasting
-    slowdown does; an interval without a token keeps what was known while sequences run there, and
-    forgets it once the engine is idle (else a drained fleet would stay closed)."""
+    """`max_tpot_s`: an engine whose time per output token reaches `tpot_margin` (0.9) of the
+    objective takes no more (sheddable shed). One interval slowed by a long prefill step does not
+    close it, a lasting slowdown does; an interval without a token keeps what was known while
+    sequences run there, and forgets it once the engine is idle (else a drained fleet would stay
+    closed)."""
     lc = lifecycle({"max_tpot_s": 0.1, "tpot_window_s": 5.0}, view=True)
     publish(lc, waiting=0, tpot=0.05, ago=2.5, running=20)
     lc.finish(await route(lc, "sheddable"), "response_end")
-    publish(lc, waiting=0, tpot=0.5, ago=2.0, running=20)  # 0.05 + (1 - e^-0.1) x 0.45 = 0.093
+    publish(lc, waiting=0, tpot=0.4, ago=2.0, running=20)  # 0.05 + (1 - e^-0.1) x 0.35 = 0.083
     lc.finish(await route(lc, "sheddable"), "response_end")
-    publish(lc, waiting=0, tpot=0.3, ago=0.5, running=20)  # 0.093 + (1 - e^-0.3) x 0.207 = 0.147
+    publish(lc, waiting=0, tpot=0.3, ago=0.5, running=20)  # 0.083 + (1 - e^-0.3) x 0.217 = 0.139
     with pytest.raises(RequestError) as shed:
         await route(lc, "sheddable")
     assert shed.value.status == 429
@@ -460,6 +461,20 @@ async def test_decode_speed_is_a_signal_smoothed_over_the_window() -> None:
     off = lifecycle({}, view=True)  # the same snapshots without the setting: not a signal
     publish(off, waiting=0, tpot=0.3)
     off.finish(await route(off, "sheddable"), "response_end")
+
+
+@pytest.mark.parametrize(("margin", "admitted"), [(None, False), (1.0, True)])
+async def test_the_tpot_gate_closes_short_of_the_objective(margin: float | None, admitted: bool) -> None:
+    """Decoding at 95 ms against a 100 ms objective: under it, but past the default margin (0.9),
+    so the gate is closed; `tpot_margin: 1.0` gates at the objective itself."""
+    extra = {} if margin is None else {"tpot_margin": margin}
+    lc = lifecycle({"max_tpot_s": 0.1, "tpot_window_s": 5.0, **extra}, view=True)
+    publish(lc, waiting=0, tpot=0.095, running=20)
+    if admitted:
+        lc.finish(await route(lc, "sheddable"), "response_end")
+    else:
+        with pytest.raises(RequestError):
+            await route(lc, "sheddable")
 
 
 # -- slo-ttft ----------------------------------------------------------------------------------------
@@ -623,6 +638,8 @@ def test_admission_settings_defaults_and_errors() -> None:
         {"max_kv_usage": 1.5},
         {"max_tpot_s": 0},
         {"tpot_window_s": 0},
+        {"tpot_margin": 0},
+        {"tpot_margin": 1.5},
         {"retry_after_s": 0},
         {"overload_wait_s": 0},
         {"overload_after_s": -1},

@@ -8,9 +8,10 @@ snapshot's count plus what was sent since), fewer than `max_inflight_per_weight`
 process has in flight there (the only signal without snapshots) and, when `max_predicted_wait_s` is
 set, a predicted prefill queue below it (the default profile's `predicted-ttft` model: engines admit
 requests into their running batch at once and prefill them in chunks, so their waiting count misses
-most of a prefill backlog) and, when `max_tpot_s` is set, a time per output token below it (the
-engines' own, as the fleet view smooths it: `fleet.tpot.SmoothedTpot`; at deep overload it is decode speed,
-not the prefill queue, that decides whether requests meet their objective). Then:
+most of a prefill backlog) and, when `max_tpot_s` is set, a time per output token below
+`tpot_margin` of it (the engines' own, as the fleet view smooths it: `fleet.tpot.SmoothedTpot`; at
+deep overload it is decode speed, not the prefill queue, that decides whether requests meet their
+objective). Then:
 
 - sheddable: 429 `saturated` with Retry-After, at once;
 - standard: waits in the model's queue, round robin across tenants (user, else session), and is
@@ -470,12 +471,12 @@ class Admission:
         return free
 
     def decoding_slowly(self, u: Upstream) -> bool:
-        """The TPOT gate: `u`'s engines decode at or above `max_tpot_s` (smoothed)."""
+        """The TPOT gate: `u`'s engines decode at or above `tpot_margin` x `max_tpot_s` (smoothed)."""
         s = self.settings
         if s.max_tpot_s is None or self.state.load(u.id) is None:
             return False
         tpot = self.state.smoothed_tpot(u.id, s.tpot_window_s)
-        return tpot is not None and tpot >= s.max_tpot_s
+        return tpot is not None and tpot >= s.tpot_margin * s.max_tpot_s
 
     def placeable(self, request: InferenceRequest, candidates: tuple[Upstream, ...]) -> tuple[Upstream, ...]:
         """Where an admitted request may go: standard and sheddable requests only to candidates with
