@@ -66,3 +66,40 @@ def test_unknown_cells_are_named(tmp_path: Path) -> None:
 def test_the_default_cells_exist_in_the_routing_grids() -> None:
     for name in pg.CELLS:
         assert name in pg._KNOWN
+
+
+def _row(goodput: float, p99: float, shed: tuple[int, int, int] = (0, 0, 0)) -> dict[str, object]:
+    classes = {
+        name: {"ttft_p99_ms": p99, "ttft_p99_steady_ms": p99, "shed": n, "served_over_shed_standard": 0}
+        for name, n in zip(("critical", "standard", "sheddable"), shed, strict=True)
+    }
+    return {"goodput_rps": goodput, "classes": classes}
+
+
+def test_the_checks_read_every_load_from_capacity_on_and_whether_goodput_holds_past_it() -> None:
+    """`checks`: the 120 % figures as before, each load from 100 % on (`by_load`), and the goodput at
+    150 % and more against the row's best up to that load: 9.0 after a 10.0 peak holds, 8.9 does
+    not, and a goodput that rises with the load holds."""
+    from extproc_lab.bench.priorities import checks
+
+    def runs(at_2x: float) -> dict[str, dict[str, object]]:
+        figures = {0.5: (5.0, 200.0), 1.0: (9.0, 250.0), 1.2: (10.0, 280.0), 2.0: (at_2x, 900.0)}
+        peer = _row(4.0, 999.0)
+        return {
+            f"{load:g}": {"policies": {"llm-extproc": _row(g, p99, (0, 3, 5)), "round-robin": peer}}
+            for load, (g, p99) in figures.items()
+        }
+
+    ch = checks(runs(9.0), (0.5, 1.0, 1.2, 2.0), ("round-robin",))
+    assert ch["critical_ttft_p99_ratio"] == pytest.approx(1.4) and ch["critical_ttft_ok"]  # at 120 %
+    assert list(ch["by_load"]) == ["1", "1.2", "2"]
+    assert ch["by_load"]["2"]["critical_ttft_p99_ratio"] == pytest.approx(4.5)
+    assert not ch["by_load"]["2"]["critical_ttft_ok"] and ch["by_load"]["1"]["critical_ttft_ok"]
+    assert ch["by_load"]["2"]["goodput_ok_peers"] and ch["by_load"]["2"]["sheddable_shed_first"]
+    hold = ch["goodput_hold"]
+    assert hold["peak_goodput_rps"] == 10.0 and hold["held"] == {"2": pytest.approx(0.9)} and hold["holds"]
+    assert not checks(runs(8.9), (0.5, 1.0, 1.2, 2.0), ("round-robin",))["goodput_hold"]["holds"]
+    rising = checks(runs(12.0), (0.5, 1.0, 1.2, 2.0), ("round-robin",))["goodput_hold"]
+    assert rising["holds"] and rising["held"] == {"2": 1.0} and rising["peak_goodput_rps"] == 12.0
+    no_deep = checks(runs(9.0), (0.5, 1.2), ("round-robin",))["goodput_hold"]
+    assert no_deep["held"] == {} and not no_deep["holds"]  # nothing past 150 %: not shown to hold

@@ -1,14 +1,19 @@
 """The priorities bench's accounting, shared by its discrete-event run
 (`extproc_lab.discrete_event.priorities`) and its live one (`extproc_lab.bench.priorities_live`):
-per-class statistics, the issue's checks at 120 % load, and the markdown report.
+per-class statistics, the issue's checks, and the markdown report.
 
-The checks, for one llm-extproc row at 120 % (the issue's load):
+The checks, for one llm-extproc row, at 120 % (the first target load) and at every load from 100 %
+on (`by_load`):
 - critical TTFT p99 <= 1.5 x its value at the lowest load, over the whole run and after warm-up (the
   requests after the first `warmup` share in arrival order, the same ones at every load: the run
   starts with every cache empty, and that cold start sets the whole-run tail);
 - sheddable requests are shed before standard ones (no sheddable request served while a standard
   one that was then shed waited for room), and no critical request is shed;
-- goodput under the SLO >= every reference policy's in the same run.
+- goodput under the SLO >= every reference policy's in the same run;
+- goodput holds past capacity (`goodput_hold`): at every load of 150 % and more, within 10 % of the
+  row's best goodput from 100 % up to that load (issue 33 asks it at 1.5x and 2x the load where
+  goodput peaks; loads here are shares of the fleet's capacity, so this reads it at 1.5x and 2x
+  capacity, and a goodput still rising with the load holds).
 """
 
 from __future__ import annotations
@@ -140,6 +145,10 @@ def is_good(r: RequestRecord, slo: Slo) -> bool:
     return r.ttft_s is not None and r.ttft_s <= slo.ttft_s and tpot is not None and tpot <= slo.tpot_s
 
 
+HOLD_SHARE = 0.9  # goodput past capacity within 10 % of the peak
+HOLD_FROM = 1.5  # loads (x capacity) where the goodput must hold
+
+
 def checks(
     runs: dict[str, dict[str, Any]],
     loads: Sequence[float],
@@ -147,9 +156,40 @@ def checks(
     row: str = "llm-extproc",
 ) -> dict[str, Any]:
     """The issue's checks for one llm-extproc row at 120 % load (or the highest run), against its
-    figures at the lowest load and the `references` rows at 120 % (see the module docstring)."""
+    figures at the lowest load and the `references` rows at 120 %; the same at each load from 100 %
+    on (`by_load`), and whether goodput holds past capacity (see the module docstring)."""
     target = 1.2 if 1.2 in loads else max(loads)  # the issue's target load
-    low, high = f"{min(loads):g}", f"{target:g}"
+    result = _checks_at(runs, min(loads), target, references, row)
+    result["by_load"] = {
+        f"{load:g}": _checks_at(runs, min(loads), load, references, row)
+        for load in loads
+        if load >= 1.0 and load > min(loads)
+    }
+    result["goodput_hold"] = goodput_hold(runs, loads, row)
+    return result
+
+
+def goodput_hold(runs: dict[str, dict[str, Any]], loads: Sequence[float], row: str) -> dict[str, Any]:
+    """Goodput at each load of HOLD_FROM x capacity and more over the row's best at 100 % and more up
+    to that load (a goodput still rising with the load holds)."""
+    peak = 0.0
+    held: dict[str, float | None] = {}
+    for load in sorted(load for load in loads if load >= 1.0):
+        goodput = runs[f"{load:g}"]["policies"][row]["goodput_rps"]
+        peak = max(peak, goodput)
+        if load >= HOLD_FROM:
+            held[f"{load:g}"] = goodput / peak if peak > 0 else None
+    return {
+        "peak_goodput_rps": peak,
+        "held": held,
+        "holds": bool(held) and all(v is not None and v >= HOLD_SHARE for v in held.values()),
+    }
+
+
+def _checks_at(
+    runs: dict[str, dict[str, Any]], lowest: float, target: float, references: Sequence[str], row: str
+) -> dict[str, Any]:
+    low, high = f"{lowest:g}", f"{target:g}"
     ours_low = runs[low]["policies"][row]["classes"]
     ours = runs[high]["policies"][row]
     classes = ours["classes"]
@@ -238,7 +278,7 @@ def policy_table(policies: dict[str, dict[str, Any]]) -> list[str]:
 def _check_lines(row: str, ch: dict[str, Any], warmup: float) -> list[str]:
     ratio = ch["critical_ttft_p99_ratio"]
     return [
-        f"## Checks ({row}, at 120 % load)",
+        f"## Checks ({row}, at 120 % load, then each load)",
         "",
         f"- critical TTFT p99 vs the lowest load: x{ratio:.2f} (target <= 1.5): "
         f"{'pass' if ch['critical_ttft_ok'] else 'FAIL'}"
@@ -256,5 +296,31 @@ def _check_lines(row: str, ch: dict[str, Any], warmup: float) -> list[str]:
         f"- goodput {ch['goodput_rps']:.2f}/s >= best reference of all, exact-state ones included "
         f"({ch['best_reference']}, {ch['best_reference_goodput_rps']:.2f}/s): "
         f"{'pass' if ch['goodput_ok'] else 'FAIL'}",
+        *_by_load_lines(ch),
         "",
     ]
+
+
+def _by_load_lines(ch: dict[str, Any]) -> list[str]:
+    """Each load from 100 % on (critical p99 x, shed, goodput against the best peer), and the hold."""
+    lines = []
+    for load, at in (ch.get("by_load") or {}).items():
+        ratio, steady = at["critical_ttft_p99_ratio"], at["critical_ttft_steady_ratio"]
+        lines.append(
+            f"- at {float(load):.0%}: critical p99 x{ratio if ratio is not None else float('nan'):.2f} "
+            f"(after warm-up x{steady if steady is not None else float('nan'):.2f}), shed "
+            f"{at['critical_shed']} / {at['standard_shed']} / {at['sheddable_shed']}"
+            f"{'' if at['sheddable_shed_first'] else ' (standard before sheddable)'}, goodput "
+            f"{at['goodput_rps']:.2f}/s against the best peer's {at['best_peer_goodput_rps']:.2f}/s"
+        )
+    hold = ch.get("goodput_hold")
+    if hold and hold["held"]:
+        shares = ", ".join(
+            f"{float(k):.0%}: {'-' if v is None else f'{v:.2f}'}" for k, v in hold["held"].items()
+        )
+        peak = hold["peak_goodput_rps"]
+        lines.append(
+            f"- goodput holds past capacity (>= {HOLD_SHARE:.0%} of its peak {peak:.2f}/s at 150 % and "
+            f"more; {shares}): {'pass' if hold['holds'] else 'FAIL'}"
+        )
+    return lines

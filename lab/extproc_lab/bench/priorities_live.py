@@ -1,4 +1,4 @@
-"""The priorities bench live: mixed priority classes at 50 %, 120 % and 160 % of capacity through real
+"""The priorities bench live: mixed priority classes at 50, 120, 160 and 200 % of capacity through real
 processes on loopback (issue 11's target; the discrete-event run is
 `extproc_lab.discrete_event.priorities`).
 
@@ -76,7 +76,7 @@ class LiveConfig:
     profile: str = "a10g-llama3-8b"
     count: int = 1000
     seed: int = 0
-    loads: tuple[float, ...] = (0.5, 1.2, 1.6)
+    loads: tuple[float, ...] = (0.5, 1.2, 1.6, 2.0)
     rows: tuple[str, ...] = tuple(ROWS)
     capacity_rps: float = DES_CAPACITY_RPS
     time_scale: float = 1.0
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m extproc_lab.bench.priorities_live", description=__doc__)
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--loads", default="0.5,1.2,1.6", help="comma-separated fractions of capacity")
+    ap.add_argument("--loads", default="0.5,1.2,1.6,2", help="comma-separated fractions of capacity")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (policies) to run")
     ap.add_argument("--capacity", type=float, default=DES_CAPACITY_RPS, help="requests/s taken as 100 %%")
     ap.add_argument("--time-scale", type=float, default=1.0, help="above 1: faster than real time")

@@ -3,8 +3,8 @@
     python -m extproc_lab.discrete_event.priorities [--engines 4] [--count 3000] [--out out/priorities]
 
 A Poisson workload (shared-prefix by default) whose requests each carry a priority class (20 %
-critical, 50 % standard, 30 % sheddable; `workloads.with_priorities`) is run at 50 %, 120 % and 160 %
-of the fleet's capacity against every reference policy and against llm-extproc with admission on (the
+critical, 50 % standard, 30 % sheddable; `workloads.with_priorities`) is run at 50, 100, 120, 160 and
+200 % of the fleet's capacity against every reference policy and against llm-extproc with admission on (the
 service's own `Admission`: shed sheddable at saturation, queue standard fairly, admit critical); the
 same with the `decode-speed` scorer in its profile ("llm-extproc (+ decode-speed)") and with the TPOT
 gate (`max_tpot_s`, "llm-extproc (+ TPOT gate)"), both at the SLO's TPOT; the gate row again on
@@ -17,7 +17,8 @@ under the SLO: the highest arrival rate at which exact-ttft (greedy least TTFT f
 exact state) still serves 95 % of the requests within the SLO (bisection). Writes `priorities.json`
 and `priorities.md`.
 
-The checks (printed and in the JSON) are `extproc_lab.bench.priorities`'s, at 120 %, for llm-extproc
+The checks (printed and in the JSON) are `extproc_lab.bench.priorities`'s (at 120 %, then at each load
+from 100 %, and whether goodput holds at 160 and 200 %), for llm-extproc
 with admission (and the same for the decode-speed row, `checks_decode_speed`, and the objective
 row, `checks_tpot_objective`, whose requests of every class may be shed for the objective they
 carry). TTFT counts the time a request waited in the admission queue. Goodput is good requests
@@ -79,7 +80,7 @@ class BenchConfig:
     workload_params: dict[str, Any] = field(default_factory=lambda: {"tenants": 16})
     count: int = 3000
     seed: int = 0
-    loads: tuple[float, ...] = (0.5, 1.2, 1.6)
+    loads: tuple[float, ...] = (0.5, 1.0, 1.2, 1.6, 2.0)
     slo: Slo = field(default_factory=lambda: Slo(ttft_s=1.0, tpot_s=0.1))
     admission: dict[str, Any] = field(default_factory=lambda: dict(BENCH_ADMISSION))
     references: tuple[str, ...] = REFERENCES
@@ -237,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default="a10g-llama3-8b", choices=sorted(PROFILES))
     ap.add_argument("--count", type=int, default=3000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--loads", default="0.5,1.2,1.6", help="comma-separated fractions of capacity")
+    ap.add_argument("--loads", default="0.5,1,1.2,1.6,2", help="comma-separated fractions of capacity")
     ap.add_argument("--references", default=",".join(REFERENCES))
     ap.add_argument(
         "--capacity", type=float, default=None, help="requests/s taken as 100 %% load instead of measuring it"

@@ -14,11 +14,12 @@ not used), its requests get priority classes (20 % critical, 50 % standard, 30 %
   llm-extproc without admission, the peer routers and exact-ttft. Not exact-ttft's alone, which
   scatters tenants under KV pressure and would put "120 %" below what a cache-aware router serves
   with room to spare;
-- every row runs at 50 %, 120 % and 160 % of it: llm-extproc with the bench's admission, with it
+- every row runs at 50, 120, 160 and 200 % of it: llm-extproc with the bench's admission, with it
   and the TPOT gate (`max_tpot_s` at the SLO's TPOT), the same on engines that schedule by priority
   (vLLM's `--scheduling-policy priority`, the class written into each body: `engine_priority: {}`),
   without admission, and every reference, each on a fresh fleet (FCFS engines but for that row);
-- the checks of `extproc_lab.bench.priorities` at 120 %.
+- the checks of `extproc_lab.bench.priorities` (at 120 %, at each load, and whether goodput holds
+  at 160 and 200 %).
 
 Writes `priorities-grid.json` and `priorities-grid.md`.
 """
@@ -131,7 +132,7 @@ def capacity_of(cs: CellSetup, policy: str, start: float, steps: int = 6) -> flo
 def run_cell(
     cs: CellSetup,
     *,
-    loads: Sequence[float] = (0.5, 1.2, 1.6),
+    loads: Sequence[float] = (0.5, 1.2, 1.6, 2.0),
     admission: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -230,34 +231,48 @@ def _summary(results: Sequence[dict[str, Any]], row: str, key: str) -> list[str]
     """One line per cell: `row`'s checks (`key`) and goodput beside no admission and the best peer."""
     lines = [
         f"| cell | capacity req/s | goodput at 120 %: {row} / no admission / best peer | at 160 % | "
-        "critical p99 x (whole run / after warm-up) | shed critical / standard / sheddable | "
-        "sheddable first | goodput >= peers |",
-        "|---|---|---|---|---|---|---|---|",
+        "at 200 % | critical p99 x (whole run / after warm-up) | shed critical / standard / sheddable | "
+        "sheddable first | goodput >= peers | goodput holds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ch = r.get(key)
         if not ch:
             continue
         at = {k: v["policies"] for k, v in r["loads"].items()}
-        deep = at.get("1.6")
-        peers160 = ""
-        if deep is not None:
+        deeper = []
+        for load in ("1.6", "2"):
+            deep = at.get(load)
+            if deep is None:
+                deeper.append("-")
+                continue
             best = max((deep[p]["goodput_rps"], p) for p in REFERENCES if p != "exact-ttft")
-            peers160 = (
+            deeper.append(
                 f"{deep[row]['goodput_rps']:.2f} / {deep[NO_ADMISSION]['goodput_rps']:.2f} / {best[0]:.2f}"
             )
+        hold = ch.get("goodput_hold") or {}
         ratio = ch["critical_ttft_p99_ratio"]
         steady = ch["critical_ttft_steady_ratio"]
         lines.append(
             f"| {r['cell']} ({r['describe']}) | {r['capacity_rps']:.2f} | {ch['goodput_rps']:.2f} / "
             f"{at['1.2'][NO_ADMISSION]['goodput_rps']:.2f} / {ch['best_peer_goodput_rps']:.2f} "
             f"({ch['best_peer']}) | "
-            f"{peers160} | "
+            f"{deeper[0]} | {deeper[1]} | "
             f"{'-' if ratio is None else f'{ratio:.2f}'} / {'-' if steady is None else f'{steady:.2f}'} | "
             f"{ch['critical_shed']} / {ch['standard_shed']} / {ch['sheddable_shed']} | "
-            f"{'yes' if ch['sheddable_shed_first'] else 'NO'} | {'yes' if ch['goodput_ok_peers'] else 'NO'} |"
+            f"{'yes' if ch['sheddable_shed_first'] else 'NO'} | "
+            f"{'yes' if ch['goodput_ok_peers'] else 'NO'} | {_held(hold)} |"
         )
     return lines
+
+
+def _held(hold: dict[str, Any]) -> str:
+    """The goodput past capacity over its peak, per load (bench.priorities.goodput_hold)."""
+    held = hold.get("held") or {}
+    if not held:
+        return "-"
+    shares = ", ".join(f"{v:.2f}" if v is not None else "-" for v in held.values())
+    return f"{'yes' if hold.get('holds') else 'NO'} ({shares})"
 
 
 def run_grid(
@@ -265,7 +280,7 @@ def run_grid(
     *,
     seed: int = 0,
     count_scale: float = 2.0,
-    loads: Sequence[float] = (0.5, 1.2, 1.6),
+    loads: Sequence[float] = (0.5, 1.2, 1.6, 2.0),
     admission: dict[str, Any] | None = None,
     out_dir: Path | None = None,
     log: Callable[[str], None] = print,
@@ -298,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cells", default=",".join(CELLS), help="cells of the routing grids (default, report)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--count-scale", type=float, default=2.0, help="x the routing grid's request count")
-    ap.add_argument("--loads", default="0.5,1.2,1.6")
+    ap.add_argument("--loads", default="0.5,1.2,1.6,2")
     ap.add_argument("--out", default="out/priorities-grid")
     args = ap.parse_args(argv)
     results = run_grid(
