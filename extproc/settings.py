@@ -306,8 +306,9 @@ DEFAULT_ADMISSION_OVERLOAD_WAIT_S: float | None = 0.25
 # `decode-speed` scorer smooth the reported TPOT over this time constant, seconds: four 0.5 s publish
 # intervals (why: notebook/benchmarks-history.md, "TPOT-aware admission").
 DEFAULT_TPOT_WINDOW_S = 2.0
-# The TPOT gate closes at this share of `max_tpot_s`: what is admitted now shows in the smoothed
-# figure only seconds later, and a gate held at the objective itself leaves half the requests over it.
+# The TPOT gate closes at this share of `max_tpot_s` (and `slo-tpot` sheds at this share of a
+# request's objective): what is admitted now shows in the smoothed figure only seconds later, and a
+# gate held at the objective itself leaves half the requests over it.
 DEFAULT_TPOT_MARGIN = 0.9
 
 

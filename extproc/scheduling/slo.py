@@ -29,7 +29,7 @@ from extproc.fleet import Upstream
 from extproc.openai import InferenceRequest
 from extproc.openai.errors import slo_unattainable
 from extproc.scheduling.framework import FILTERS, PREDICTED_TTFT, FleetState, prepared_figure
-from extproc.settings import DEFAULT_TPOT_WINDOW_S
+from extproc.settings import DEFAULT_TPOT_MARGIN, DEFAULT_TPOT_WINDOW_S
 
 
 @FILTERS.register("slo-ttft")
@@ -76,7 +76,7 @@ class SloTpotFilter:
     # Shed when every candidate's smoothed TPOT is above objective x this: below 1 leaves room for
     # what this request and those sent with it add before the figure shows it (why 0.9:
     # notebook/benchmarks-history.md, "Room for the requests sent since").
-    margin: float = 0.9
+    margin: float = DEFAULT_TPOT_MARGIN  # the same share as admission's TPOT gate
     window_s: float = DEFAULT_TPOT_WINDOW_S  # the smoothing's time constant (fleet/tpot.py)
     retry_after_s: int = 1
 

@@ -159,12 +159,13 @@ def checks(
     figures at the lowest load and the `references` rows at 120 %; the same at each load from 100 %
     on (`by_load`), and whether goodput holds past capacity (see the module docstring)."""
     target = 1.2 if 1.2 in loads else max(loads)  # the issue's target load
-    result = _checks_at(runs, min(loads), target, references, row)
-    result["by_load"] = {
+    by_load = {
         f"{load:g}": _checks_at(runs, min(loads), load, references, row)
         for load in loads
         if load >= 1.0 and load > min(loads)
     }
+    result = dict(by_load.get(f"{target:g}") or _checks_at(runs, min(loads), target, references, row))
+    result["by_load"] = by_load
     result["goodput_hold"] = goodput_hold(runs, loads, row)
     return result
 

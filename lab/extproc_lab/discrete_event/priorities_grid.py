@@ -267,7 +267,7 @@ def _summary(results: Sequence[dict[str, Any]], row: str, key: str) -> list[str]
 
 
 def _held(hold: dict[str, Any]) -> str:
-    """The goodput past capacity over its peak, per load (bench.priorities.goodput_hold)."""
+    """The goodput past capacity over its best so far, per load (bench.priorities.goodput_hold)."""
     held = hold.get("held") or {}
     if not held:
         return "-"
