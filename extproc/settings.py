@@ -713,7 +713,10 @@ def redis_settings(raw: Any, where: str, password_env: str | None = None) -> Red
 
 
 # -- publisher -------------------------------------------------------------------------------------
-DEFAULT_PUBLISH_INTERVAL_S = 1.0
+# Snapshots every half second: a cold fleet's batch limits and queues show one snapshot after they
+# form, and until then admission cannot keep places for critical requests (docs/tuning.md, "Class
+# objectives"). The Gateway API Inference Extension's endpoint picker refreshes every 50 ms.
+DEFAULT_PUBLISH_INTERVAL_S = 0.5
 DEFAULT_DISCOVERY_INTERVAL_S = 10.0
 DEFAULT_SCRAPE_TIMEOUT_S = 2.0
 # Each instance is scraped and published on its own schedule; its scrape (health + metrics) must end

@@ -18,7 +18,7 @@ from extproc.publishers import InstanceSpec, Publisher, PublisherConfig, load_pu
 from extproc.publishers.config import instance_from_dict
 from extproc.publishers.engines import EngineLoad
 from extproc.publishers.snapshot_fields import _fill_load, _Previous
-from extproc.settings import ConfigError, RedisSettings
+from extproc.settings import DEFAULT_PUBLISH_INTERVAL_S, ConfigError, RedisSettings
 from extproc_lab.engines import SimEngine
 from extproc_lab.engines.profiles import A10G_LLAMA3_8B
 
@@ -441,7 +441,7 @@ def test_load_config_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     cfg = load_publisher_config(path, redis_url="redis://cli:6379/2", redis_pool="cli", interval_s=None)
     assert (cfg.redis.url, cfg.redis.pool, cfg.redis.password) == ("redis://cli:6379/2", "cli", "s3cret")
     assert cfg.envoy_admin == "http://e"
-    assert cfg.interval_s == 1.0  # a None override is ignored
+    assert cfg.interval_s == DEFAULT_PUBLISH_INTERVAL_S  # a None override is ignored
 
 
 def test_load_config_without_file() -> None:

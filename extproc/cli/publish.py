@@ -29,7 +29,7 @@ def add(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         f"line is visible to every user of the host, set ${ENV_REDIS_PASSWORD} instead",
     )
     p.add_argument("--pool", help="pool name (Redis key prefix llm-extproc:<pool>)")
-    p.add_argument("--interval", type=float, help="seconds between scrapes (default 1)")
+    p.add_argument("--interval", type=float, help="seconds between scrapes (default 0.5)")
     p.add_argument(
         "--scrape-timeout",
         type=float,
