@@ -19,6 +19,7 @@ from typing import Any
 
 from extproc.fleet.redis_feed import RedisSettings
 from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
+from extproc.settings import DEFAULT_PUBLISH_INTERVAL_S
 from extproc_lab.bench.loadgen import closed_loop, open_loop
 from extproc_lab.bench.report import Report, RequestRecord, Slo, format_table, plot, summarize, write_json
 from extproc_lab.bench.workloads import make_workload
@@ -508,7 +509,7 @@ def start_publisher(
     instances: list[InstanceSpec],
     stops: list[Any],
     *,
-    interval_s: float = 0.5,
+    interval_s: float = DEFAULT_PUBLISH_INTERVAL_S,
     scrape_timeout_s: float | None = None,
 ) -> Publisher:
     """`llm-extproc publish` in this process's event loop for a lab stack (pool "demo"); how to stop

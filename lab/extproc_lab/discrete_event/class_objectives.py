@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from extproc.settings import DEFAULT_PUBLISH_INTERVAL_S
 from extproc_lab.bench.classes import (
     CELLS,
     CONFIGURED,
@@ -62,7 +63,7 @@ class Config:
     slo: Slo = field(default_factory=lambda: Slo(ttft_s=2.0, tpot_s=10.0))
     admission: dict[str, Any] = field(default_factory=lambda: dict(SHIPPED_ADMISSION))
     references: tuple[str, ...] = REFERENCES
-    publish_interval_s: float = 0.5
+    publish_interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
     warmup: float = 0.1
 
 

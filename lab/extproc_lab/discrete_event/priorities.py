@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.settings import DEFAULT_PROFILE
+from extproc.settings import DEFAULT_PROFILE, DEFAULT_PUBLISH_INTERVAL_S
 from extproc_lab.bench.priorities import (
     BENCH_ADMISSION,
     DECODE_SPEED_ROW,
@@ -84,7 +84,7 @@ class BenchConfig:
     slo: Slo = field(default_factory=lambda: Slo(ttft_s=1.0, tpot_s=0.1))
     admission: dict[str, Any] = field(default_factory=lambda: dict(BENCH_ADMISSION))
     references: tuple[str, ...] = REFERENCES
-    publish_interval_s: float = 0.5
+    publish_interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
     # The share of requests (in arrival order: the same ones at every load) left out of the
     # "after warm-up" figures: the fleet starts with every cache empty, and a tenant's first request
     # is a cold prefill that its next requests wait for, however they are routed.

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from extproc.settings import DEFAULT_PUBLISH_INTERVAL_S
 from extproc_lab.bench.grid import Cell, cell_slo, grid, make_cell_workload
 from extproc_lab.bench.priorities import (
     BENCH_ADMISSION,
@@ -96,7 +97,7 @@ class CellSetup:
             service=service,
             tokens=self.tokens,
             headers=wl.headers,
-            publish_interval_s=0.5,
+            publish_interval_s=DEFAULT_PUBLISH_INTERVAL_S,
             scheduling_policy="priority" if engine_priority else "fcfs",
         )
         return wl, run.records
