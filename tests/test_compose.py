@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 from pathlib import Path
@@ -11,6 +12,10 @@ import yaml
 
 from extproc.cli import build_parser
 from extproc.config import load_config
+from extproc.publishers import load_publisher_config
+from extproc.settings import DEFAULT_PUBLISH_INTERVAL_S
+from extproc_lab.bench.scenarios import start_publisher
+from extproc_lab.discrete_event.class_objectives import Config
 from extproc_lab.stack import ENVOY_DIR, find_envoy, load_envoy_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,3 +224,19 @@ def test_monitoring_profile_shows_the_shipped_dashboard() -> None:
     sim = build_parser().parse_args(s["engines"]["command"])
     assert sim.host == "0.0.0.0"
     assert jobs["engines"] == [f"envoy:{sim.port + i}" for i in range(sim.count)]
+
+
+def test_the_shipped_publishers_snapshot_at_the_default_interval(tmp_path: Path) -> None:
+    """Compose's and Kubernetes' publishers run the interval the benches measure (the lab's stacks and
+    discrete-event benches read DEFAULT_PUBLISH_INTERVAL_S): until 2026-12-06 they shipped 1 s while
+    every bench ran 0.5 s."""
+    pub = build_parser().parse_args(services()["publisher"]["command"])
+    assert pub.interval in (None, DEFAULT_PUBLISH_INTERVAL_S)
+    configmap = ROOT / "deploy" / "kubernetes" / "configmap.yaml"
+    docs = [d for d in yaml.safe_load_all(configmap.read_text()) if d and d.get("kind") == "ConfigMap"]
+    text = next(d["data"]["publisher.yaml"] for d in docs if "publisher.yaml" in d.get("data", {}))
+    path = tmp_path / "publisher.yaml"
+    path.write_text(text)
+    assert load_publisher_config(str(path)).interval_s == DEFAULT_PUBLISH_INTERVAL_S
+    assert Config().publish_interval_s == DEFAULT_PUBLISH_INTERVAL_S
+    assert inspect.signature(start_publisher).parameters["interval_s"].default == DEFAULT_PUBLISH_INTERVAL_S
