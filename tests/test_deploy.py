@@ -35,6 +35,7 @@ from extproc.publishers import load_publisher_config
 from extproc.publishers.engines import ENGINE_METRICS
 from extproc.publishers.metrics import PublisherMetrics
 from extproc.settings import (
+    DEFAULT_PUBLISH_INTERVAL_S,
     DEFAULT_SHUTDOWN_ANNOUNCE_S,
     ENVOY_EXTPROC_HC_INTERVAL_S,
     ENVOY_EXTPROC_HC_TIMEOUT_S,
@@ -411,6 +412,7 @@ def test_publisher_config_loads_and_names_the_service_clusters(tmp_path: Path) -
     path = tmp_path / "publisher.yaml"
     path.write_text(one("kubernetes", "ConfigMap", "llm-extproc-config")["data"]["publisher.yaml"])
     pub = load_publisher_config(str(path))
+    assert pub.interval_s == DEFAULT_PUBLISH_INTERVAL_S  # the interval the benches measure
     _, cfg = service_config("kubernetes", "llm-extproc-config")
     assert {i.cluster for i in pub.instances} <= set(cfg.pool.cluster_names())
     assert pub.redis.url == cfg.fleet.url and pub.redis.pool == cfg.fleet.pool
