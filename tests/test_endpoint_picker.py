@@ -23,7 +23,7 @@ from extproc.server import picker
 from extproc.server.stream import RequestStream
 from extproc.telemetry import Metrics
 from extproc_lab.engines import EngineGroup
-from extproc_lab.stack import ENVOY_DIR, body_mode_edit, ext_proc_filter, free_port
+from extproc_lab.stack import ENVOY_DIR, body_mode_edit, ext_proc_filter, refusing_port
 
 ENVOY = pytest.mark.envoy  # the tests that start real Envoy
 
@@ -187,15 +187,23 @@ SERVED_HEADER = {
 }
 
 
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """Held for the whole test: a port merely free when picked was once given to Envoy's admin
+    listener (bound to port 0), and the "dead" endpoint answered 404."""
+    with refusing_port() as port:
+        yield port
+
+
 @ENVOY
 @pytest.mark.parametrize("release_on", ["access_log", "stream_end"])
 async def test_fallback_list_is_retried_in_order(
-    make_stack: Callable[..., Stack], engines: EngineGroup, release_on: str
+    make_stack: Callable[..., Stack], engines: EngineGroup, release_on: str, dead_port: int
 ) -> None:
     """access_log: Envoy's access log says which endpoint served. stream_end: the stream stays open
     and the served endpoint arrives with the response headers (here a header the route adds from
     %UPSTREAM_REMOTE_ADDRESS%; a gateway may send envoy.lb metadata instead, read the same way)."""
-    dead = f"127.0.0.1:{free_port()}"  # in Envoy's pool and the service's, but nothing listens
+    dead = f"127.0.0.1:{dead_port}"  # in Envoy's pool and the service's, but refuses connections
     cfg = picker_service(
         engines,
         release_on=release_on,
@@ -204,7 +212,6 @@ async def test_fallback_list_is_retried_in_order(
         scheduling={"profiles": {"default": {"scorers": ["least-outstanding"], "picker": "max-score"}}},
     )
     cfg["pool"]["clusters"][0]["endpoints"] = [dead, engines.address(0), engines.address(1)]
-    dead_port = int(dead.rpartition(":")[2])
 
     def add_dead(envoy: dict[str, Any]) -> None:
         if release_on == "stream_end":

@@ -13,6 +13,7 @@ from extproc_lab.stack.processes import (
     free_port,
     load_envoy_config,
     local_redis,
+    refusing_port,
     render_envoy_config,
     wait_port,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "free_port",
     "load_envoy_config",
     "local_redis",
+    "refusing_port",
     "render_envoy_config",
     "wait_port",
 ]

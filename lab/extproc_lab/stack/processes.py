@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -61,6 +61,15 @@ def free_port(host: str = "127.0.0.1") -> int:
             _HANDED_OUT.append(port)
             return port
     raise RuntimeError("no free port that was not handed out already")
+
+
+@contextlib.contextmanager
+def refusing_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port that refuses connections for as long as the block runs: bound but never listening, so
+    no process (Envoy's admin on port 0 included) can be given it while a test calls it dead."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        yield s.getsockname()[1]
 
 
 def free_port_run(n: int, host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
