@@ -11,7 +11,7 @@ from builders import FixedBacklog, IdleState
 
 from extproc.config import ConfigError
 from extproc.fleet import Upstream
-from extproc.fleet.batch import PROBE_AFTER_S, BatchLimits
+from extproc.fleet.batch import PROBE_AFTER_S, QUEUE_HOLD_S, BatchLimits
 from extproc.lifecycle.admission import Admission, Verdict
 from extproc.openai import InferenceRequest, RequestError
 from extproc.scheduling.ttft_predictor import slot_wait
@@ -58,6 +58,39 @@ def test_the_limit_is_the_batch_seen_queueing_and_a_growing_batch_only_while_it_
     assert b.limit("e", published=True) == 6
     b.take("e", Snap(5, 1, 5.0, max_num_seqs=6, kv_cache_usage=0.95))  # the KV cache binds first
     assert b.limit("e") == 5 and b.limit("e", published=True) is None
+
+
+def test_a_queue_at_the_most_run_stays_the_limit_after_it_clears_until_it_runs_more_or_time_passes() -> None:
+    """Admission keeping lower classes back is what clears a batch's queue: read as no limit then,
+    the next interval's arrivals would refill the batch ahead of critical requests. A queue at the
+    most the engine ran is held QUEUE_HOLD_S after it clears (and shown to engines alike), unless
+    the engine then runs more; a queue below a batch already run is not held."""
+    b = BatchLimits()
+    b.take("e", Snap(8, 3, 0.5))  # a cold engine's first queue, at the most it ran
+    b.take("e", Snap(8, 0, 1.0))  # cleared: admission held requests back
+    assert b.limit("e") == 8
+    b.take("e", Snap(6, 0, 0.5 + QUEUE_HOLD_S - 0.25))
+    assert b.limit("e") == 8
+    b.take("e", Snap(6, 0, 0.5 + QUEUE_HOLD_S))  # no queue for QUEUE_HOLD_S: unknown again
+    assert b.limit("e") is None
+    b.take("e", Snap(8, 1, 5.0))
+    b.take("e", Snap(9, 0, 5.5))  # it ran more: the queue was no limit
+    assert b.limit("e") is None
+    c = BatchLimits()
+    c.take("e", Snap(14, 0, 1.0))
+    c.take("e", Snap(9, 2, 1.5))  # below a batch it ran: a burst over the step's token budget
+    c.take("e", Snap(9, 0, 2.0))
+    assert c.limit("e") is None
+    kind = {"kv_blocks_total": 600}
+    d = BatchLimits()  # engines alike: both queued at their most, then cleared; a third starts there
+    d.take_all({"a": Snap(8, 2, 0.5, **kind), "b": Snap(8, 1, 0.5, **kind), "c": Snap(0, 0, 0.5, **kind)})
+    d.take_all({"a": Snap(8, 0, 1.0, **kind), "b": Snap(7, 0, 1.0, **kind), "c": Snap(2, 0, 1.0, **kind)})
+    assert d.limit("c") == 8 and d.limit("c", shared=True) == 8
+    later = 0.5 + QUEUE_HOLD_S
+    d.take_all(
+        {"a": Snap(8, 0, later, **kind), "b": Snap(7, 0, later, **kind), "c": Snap(2, 0, later, **kind)}
+    )
+    assert d.limit("c") is None
 
 
 def test_a_queue_at_a_smaller_batch_than_one_already_run_is_no_sequence_cap() -> None:

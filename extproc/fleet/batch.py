@@ -4,17 +4,19 @@ requests turn over, learnt from snapshots (the fleet view's rebuild feeds every 
 An engine with a full batch (vLLM's `--max-num-seqs`, or the KV cache) makes a new request wait for
 a running one to finish: seconds per request ahead, not the milliseconds of a prefill queue. The
 engines do not publish their batch limit, but they show it: a snapshot with requests waiting was
-taken at the limit, so its running count is the limit for that mix of prompts. The turnover is the
-rate at which requests reach their first token (the engines' counter), the rate at which waiting
-requests get a place once the batch is full. Where the publisher says how many requests the engines
-run at once (`max_num_seqs`), that is the limit from the first snapshot on (a cold fleet fills its
-batches within seconds, before any queue shows them), lowered where the KV cache fills first. A
-limit is a sequence cap (`limit(cap=True)`) only where it does not move with the prompts: published,
-or queues at one size that is the most the engines ever ran, snapshot after snapshot, or the size at
-which two engines alike (one deployment's replicas) queue at their most (`limit(shared=True)`), each
-with room in the KV cache for one more request of the mean size there. One engine's one queue is not
-a cap: a token budget or a burst of arrivals shows one at any size; nor is a queue with no room in the
-cache, which an engine holding a few long prompts shows well below KV_FULL."""
+taken at the limit, so its running count is the limit for that mix of prompts; where it queued at
+the most it ever ran, still for QUEUE_HOLD_S after the queue clears (admission keeping requests back
+is what clears it) unless the engine runs more. The turnover is the rate at which requests reach
+their first token (the engines' counter), the rate at which waiting requests get a place once the
+batch is full. Where the publisher says how many requests the engines run at once (`max_num_seqs`),
+that is the limit from the first snapshot on (a cold fleet fills its batches within seconds, before
+any queue shows them), lowered where the KV cache fills first. A limit is a sequence cap
+(`limit(cap=True)`) only where it does not move with the prompts: published, or queues at one size
+that is the most the engines ever ran, snapshot after snapshot, or the size at which two engines
+alike (one deployment's replicas) queue at their most (`limit(shared=True)`), each with room in the
+KV cache for one more request of the mean size there. One engine's one queue is not a cap: a token
+budget or a burst of arrivals shows one at any size; nor is a queue with no room in the cache, which
+an engine holding a few long prompts shows well below KV_FULL."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ PROBE_AFTER_S = 3.0  # full with none waiting this long: one more place is tried
 STEADY_QUEUES = 2  # queueing snapshots in a row at one batch size that show a sequence cap
 AGREEING_ENGINES = 2  # engines of a kind at one cap (steady or queueing at their most) that show it
 PROBE_BACKOFF_MAX_S = 48.0  # a probe that failed (a queue at the old limit) doubles the wait to this
+QUEUE_HOLD_S = 3.0  # a queue at the most run stays admission's limit this long after it clears
 MAX_TRACKED_UPSTREAMS = 4096
 
 
@@ -84,6 +87,8 @@ class _Batch:
     kind: Kind | None = None  # None: the engines do not say their KV blocks
     published_cap: float | None = None  # the figure last published (a wrong one is not trusted again)
     cache_queue: bool = False  # the last queue was the KV cache's: no room for one more request there
+    held: float | None = None  # the running count of the last queue at the most run (QUEUE_HOLD_S)
+    held_at: float = 0.0  # when that queue was last seen
 
 
 class BatchLimits:
@@ -99,21 +104,22 @@ class BatchLimits:
     def limit(
         self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
     ) -> float | None:
-        """The confirmed limit, or the running count of the last snapshot if it queued (a cold
-        fleet's engines fill within seconds of their first queue), or else the sequence cap engines
-        of its kind showed (`_share`); None otherwise. With `published`, only the count of sequences
-        the publisher gave (`max_num_seqs`) while it is the limit: one learnt from queues may be a
-        burst of prefills over the step's token budget, a batch held at one size by a token budget
-        under overload, or a full KV cache where a request sharing cached blocks still fits. With
-        `cap`, the limit only while it is a sequence cap: published, or `STEADY_QUEUES` queueing
-        snapshots in a row at one size no smaller than any run before and not run past since with
-        none waiting, with room in the KV cache for one more request, or its kind's. Not a full KV
-        cache's or a token budget's limit (they move with the prompts placed there: placement that
-        keeps places by them moves requests off their prefix holders; shared, a cache's limit
-        bounded engines alike that had room, and admission shed requests they could have run:
-        notebook/benchmarks-history.md, "A cache's queue is not a cap"), nor one engine's single
-        queue at the most it ran (on multi-turn chats, kept by it, conversations left the engines
-        holding them: "One queue is not a cap"). With `shared`, only its kind's cap (not a
+        """The confirmed limit, or the running count of the last snapshot if it queued (a cold fleet's
+        engines fill within seconds of their first queue), or that of a queue at the most it ran until it
+        runs more or QUEUE_HOLD_S pass (admission holding lower classes back is what clears the queue; the
+        limit gone then, the next interval's arrivals would refill the batch ahead of critical requests), or
+        else the sequence cap engines of its kind showed (`_share`); None otherwise. With `published`, only
+        the count of sequences the publisher gave (`max_num_seqs`) while it is the limit: one learnt from
+        queues may be a burst of prefills over the step's token budget, a batch held at one size by a token
+        budget under overload, or a full KV cache where a request sharing cached blocks still fits. With
+        `cap`, the limit only while it is a sequence cap: published, or `STEADY_QUEUES` queueing snapshots
+        in a row at one size no smaller than any run before and not run past since with none waiting, with
+        room in the KV cache for one more request, or its kind's. Not a full KV cache's or a token budget's
+        limit (they move with the prompts placed there: placement that keeps places by them moves requests
+        off their prefix holders; shared, a cache's limit bounded engines alike that had room, and admission
+        shed requests they could have run: notebook/benchmarks-history.md, "A cache's queue is not a cap"),
+        nor one engine's single queue at the most it ran (on multi-turn chats, kept by it, conversations
+        left the engines holding them: "One queue is not a cap"). With `shared`, only its kind's cap (not a
         published one): what engines alike showed, the surest of the learnt ones."""
         seen = self._seen.get(upstream_id)
         if seen is None:
@@ -127,7 +133,9 @@ class BatchLimits:
             return self._sibling(seen)
         if seen.limit is not None:
             return seen.limit
-        return seen.queued_at if seen.queued_at is not None else self._sibling(seen)
+        if seen.queued_at is not None:
+            return seen.queued_at
+        return seen.held if seen.held is not None else self._sibling(seen)
 
     def _sibling(self, seen: _Batch) -> float | None:
         """The sequence cap engines of its kind showed, unless it ran more itself (`_share`)."""
@@ -151,8 +159,8 @@ class BatchLimits:
     def _share(self, loads: Mapping[str, BatchReport]) -> None:
         """The sequence cap each kind of engine showed (the same KV blocks, block size, instances and
         GPUs: one configuration, as a deployment's replicas run): a size at which AGREEING_ENGINES of
-        the kind have a steady cap or queue now at the most they ever ran, with room in the cache
-        (not `cache_queue`). An engine that has shown nothing itself is read at that cap
+        the kind have a steady cap or queue (now, or held: `limit`) at the most they ever ran, with
+        room in the cache (not `cache_queue`). An engine that has shown nothing itself is read at that cap
         (`_sibling`): a cold fleet fills every batch within seconds, before each engine's own queues
         show its cap, and a queue ahead of a cap costs seconds a request. One engine's alone is not
         shared: on engines bound by their KV cache or token budget such a queue is often a prompt
@@ -166,7 +174,7 @@ class BatchLimits:
             if seen is None or seen.kind is None:
                 continue
             size = seen.steady
-            queued = seen.queued_at
+            queued = seen.queued_at if seen.queued_at is not None else seen.held
             if size is None and queued is not None and queued >= seen.most and not seen.cache_queue:
                 size = queued
             if size is not None:
@@ -236,6 +244,12 @@ class BatchLimits:
             elif kv_usage >= KV_FULL or (seen.queued_at == running and running >= most):
                 seen.limit = running
             seen.queued_at = running
+            # Held after the queue clears where it was at the most run (a burst below a batch
+            # already run is not): admission holding lower classes back is what clears it.
+            if running >= most:
+                seen.held, seen.held_at = running, at
+            else:
+                seen.held = None
             # A sequence cap (limit(cap=True)): STEADY_QUEUES queues in a row at one size, the most run,
             # with room in the cache.
             seen.queue_runs = seen.queue_runs + 1 if running == seen.queue_size else 1
@@ -244,6 +258,8 @@ class BatchLimits:
                 seen.steady = running
             return
         seen.queued_at = None
+        if seen.held is not None and (running > seen.held or at - seen.held_at >= QUEUE_HOLD_S):
+            seen.held = None
         if seen.steady is not None and running > seen.steady:
             seen.steady = None  # it ran more: the queues were not a cap
         if limit is None:  # not confirmed yet: nothing to raise or probe
