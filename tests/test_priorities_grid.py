@@ -103,3 +103,23 @@ def test_the_checks_read_every_load_from_capacity_on_and_whether_goodput_holds_p
     assert rising["holds"] and rising["held"] == {"2": 1.0} and rising["peak_goodput_rps"] == 12.0
     no_deep = checks(runs(9.0), (0.5, 1.2), ("round-robin",))["goodput_hold"]
     assert no_deep["held"] == {} and not no_deep["holds"]  # nothing past 150 %: not shown to hold
+
+
+def test_goodput_holds_from_150_percent_to_twice_the_peaks_load_in_both_benches() -> None:
+    """One definition for the priorities and the class benches: every load from 150 % up to the first
+    at or past 2x the load where goodput peaks, over the best before it (issue 33 asks 1.5x and 2x
+    the peak's load). A collapse past that window is not asked; one inside it fails."""
+    from extproc_lab.bench.classes import class_checks
+    from extproc_lab.bench.priorities import goodput_hold
+
+    peak_at_100 = goodput_hold({0.5: 5.0, 1.0: 10.0, 1.6: 9.5, 2.0: 9.1, 3.0: 4.0})
+    assert peak_at_100["peak_load"] == 1.0 and peak_at_100["holds"]
+    assert peak_at_100["held"] == {"1.6": pytest.approx(0.95), "2": pytest.approx(0.91)}  # 300 % not asked
+    peak_at_160 = goodput_hold({0.5: 5.0, 1.0: 8.0, 1.6: 10.0, 2.0: 9.5, 3.0: 8.5})
+    assert list(peak_at_160["held"]) == ["1.6", "2", "3"] and not peak_at_160["holds"]  # 3.0 < 2x 1.6
+    assert goodput_hold({0.5: 5.0})["held"] == {} and not goodput_hold({0.5: 5.0})["holds"]
+    loads = {
+        f"{x:g}": {"policies": {"llm-extproc": _row(g, 100.0, (0, 3, 5))}}
+        for x, g in {0.5: 5.0, 1.0: 8.0, 1.6: 10.0, 2.0: 9.5, 3.0: 8.5}.items()
+    }
+    assert class_checks(loads, "llm-extproc")["goodput_hold"] == peak_at_160

@@ -38,7 +38,7 @@ from extproc_lab.bench.classes import (
     class_checks,
     workload,
 )
-from extproc_lab.bench.priorities import row_stats
+from extproc_lab.bench.priorities import hold_line, row_stats
 from extproc_lab.bench.report import Slo
 from extproc_lab.bench.scenarios import peer_missing, run_live_requests
 
@@ -182,6 +182,7 @@ def markdown(result: dict[str, Any]) -> str:
                 f"sheddable first {'yes' if v['sheddable_first'] else 'NO'}, good/s {v['goodput']:.2f} vs "
                 f"best peer {v['best_peer_goodput']:.2f} ({v['best_peer']})"
             )
+        lines.append(f"- {hold_line(ch['goodput_hold'])}")
     for row, why in result.get("skipped", {}).items():
         lines.append(f"- skipped {row}: {why}")
     return "\n".join(lines) + "\n"

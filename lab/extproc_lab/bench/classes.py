@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from extproc_lab.bench.priorities import PEERS, sheddable_first
+from extproc_lab.bench.priorities import PEERS, goodput_hold, sheddable_first
 from extproc_lab.bench.workloads import Workload, make_workload, with_priorities
 from extproc_lab.engines.profiles import A10G_LLAMA3_8B, H100_LLAMA3_8B, GpuProfile
 
@@ -64,20 +64,13 @@ def workload(cell: ClassCell, rate: float, count: int, seed: int) -> Workload:
 
 
 def class_checks(loads: dict[str, Any], row: str) -> dict[str, Any]:
-    """Issue 33's checks for one row (extproc_lab.discrete_event.class_objectives' docstring): goodput
-    at 1.5x and 2x the load of its peak; per checked load the critical p99 against the lowest load's
-    (whole run and warm), critical shed, sheddable first, goodput against the best peer's."""
+    """Issue 33's checks for one row (extproc_lab.discrete_event.class_objectives' docstring): whether
+    goodput holds past capacity (`bench.priorities.goodput_hold`); per checked load the critical p99
+    against the lowest load's (whole run and warm), critical shed, sheddable first, goodput against
+    the best peer's."""
     by_load = {float(k): v["policies"] for k, v in loads.items()}
     ordered = sorted(by_load)
-    goodput = {x: by_load[x][row]["goodput_rps"] for x in ordered}
-    peak_load = max(ordered, key=lambda x: goodput[x])
-    peak = goodput[peak_load]
-    holds: dict[str, Any] = {}
-    for factor in (1.5, 2.0):
-        above = [x for x in ordered if x >= factor * peak_load - 1e-9]
-        if above:
-            x = above[0]
-            holds[f"{factor:g}x"] = {"load": x, "goodput": goodput[x], "ok": goodput[x] >= 0.9 * peak}
+    hold = goodput_hold({x: by_load[x][row]["goodput_rps"] for x in ordered})
     low = by_load[ordered[0]][row]["classes"]["critical"]
     per_load: dict[str, Any] = {}
     for x in (x for x in ordered if x in CHECKED_LOADS):
@@ -95,7 +88,7 @@ def class_checks(loads: dict[str, Any], row: str) -> dict[str, Any]:
             "best_peer": peer[1],
             "best_peer_goodput": peer[0],
         }
-    return {"peak_load": peak_load, "peak_goodput": peak, "holds": holds, "loads": per_load}
+    return {"goodput_hold": hold, "loads": per_load}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -10,15 +10,15 @@ on (`by_load`):
 - sheddable requests are shed before standard ones (no sheddable request served while a standard
   one that was then shed waited for room), and no critical request is shed;
 - goodput under the SLO >= every reference policy's in the same run;
-- goodput holds past capacity (`goodput_hold`): at every load of 150 % and more, within 10 % of the
-  row's best goodput from 100 % up to that load (issue 33 asks it at 1.5x and 2x the load where
-  goodput peaks; loads here are shares of the fleet's capacity, so this reads it at 1.5x and 2x
-  capacity, and a goodput still rising with the load holds).
+- goodput holds past capacity (`goodput_hold`, the class bench's too): at every load of 150 % and
+  more up to the first at or past 2x the load where goodput peaks, within 10 % of the row's best
+  goodput from 100 % up to that load (issue 33 asks it at 1.5x and 2x the peak's load; a goodput
+  still rising with the load holds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from extproc_lab.bench.report import RequestRecord, Slo, percentile, summarize
@@ -166,25 +166,43 @@ def checks(
     }
     result = dict(by_load.get(f"{target:g}") or _checks_at(runs, min(loads), target, references, row))
     result["by_load"] = by_load
-    result["goodput_hold"] = goodput_hold(runs, loads, row)
+    result["goodput_hold"] = goodput_hold(
+        {load: runs[f"{load:g}"]["policies"][row]["goodput_rps"] for load in loads}
+    )
     return result
 
 
-def goodput_hold(runs: dict[str, dict[str, Any]], loads: Sequence[float], row: str) -> dict[str, Any]:
-    """Goodput at each load of HOLD_FROM x capacity and more over the row's best at 100 % and more up
-    to that load (a goodput still rising with the load holds)."""
-    peak = 0.0
+def goodput_hold(goodput: Mapping[float, float]) -> dict[str, Any]:
+    """Goodput by load (shares of capacity) at each load from HOLD_FROM up to the first at or past
+    twice the load where it peaks, over its best from 100 % up to that load. Issue 33 asks it at 1.5x
+    and 2x the peak's load; this reads every load run in between too, and where the peak is at 150 %
+    or more, every load past capacity against the best before it (a goodput still rising holds)."""
+    from_capacity = sorted(x for x in goodput if x >= 1.0)
+    peak_load = max(from_capacity, key=lambda x: goodput[x], default=None)
+    best = 0.0
     held: dict[str, float | None] = {}
-    for load in sorted(load for load in loads if load >= 1.0):
-        goodput = runs[f"{load:g}"]["policies"][row]["goodput_rps"]
-        peak = max(peak, goodput)
-        if load >= HOLD_FROM:
-            held[f"{load:g}"] = goodput / peak if peak > 0 else None
+    for load in from_capacity:
+        best = max(best, goodput[load])
+        if load >= HOLD_FROM - 1e-9:
+            held[f"{load:g}"] = goodput[load] / best if best > 0 else None
+            if peak_load is not None and load >= 2.0 * peak_load - 1e-9:
+                break
     return {
-        "peak_goodput_rps": peak,
+        "peak_load": peak_load,
+        "peak_goodput_rps": best if peak_load is None else goodput[peak_load],
         "held": held,
         "holds": bool(held) and all(v is not None and v >= HOLD_SHARE for v in held.values()),
     }
+
+
+def hold_line(hold: dict[str, Any]) -> str:
+    """`goodput_hold`'s result in words."""
+    shares = ", ".join(f"{float(k):.0%}: {'-' if v is None else f'{v:.2f}'}" for k, v in hold["held"].items())
+    return (
+        f"goodput holds past capacity (>= {HOLD_SHARE:.0%} of its best so far from 150 % to 2x its peak's "
+        f"load, peak {hold['peak_goodput_rps']:.2f}/s; {shares or 'no load there'}): "
+        f"{'pass' if hold['holds'] else 'FAIL'}"
+    )
 
 
 def _checks_at(
@@ -316,12 +334,5 @@ def _by_load_lines(ch: dict[str, Any]) -> list[str]:
         )
     hold = ch.get("goodput_hold")
     if hold and hold["held"]:
-        shares = ", ".join(
-            f"{float(k):.0%}: {'-' if v is None else f'{v:.2f}'}" for k, v in hold["held"].items()
-        )
-        peak = hold["peak_goodput_rps"]
-        lines.append(
-            f"- goodput holds past capacity (>= {HOLD_SHARE:.0%} of its peak {peak:.2f}/s at 150 % and "
-            f"more; {shares}): {'pass' if hold['holds'] else 'FAIL'}"
-        )
+        lines.append(f"- {hold_line(hold)}")
     return lines
