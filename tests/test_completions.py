@@ -13,7 +13,7 @@ from test_stream import CHAT, POOL, body_msg, headers_msg, set_headers
 
 from extproc.config import config_from_dict
 from extproc.lifecycle import RequestLifecycle
-from extproc.server.completions import AccessLogReceiver, PendingReleases
+from extproc.server.completions import AccessLogReceiver, PendingReleases, _first_byte_s
 from extproc.server.stream import Phase, RequestStream
 from extproc.telemetry import Metrics
 
@@ -160,6 +160,40 @@ async def test_access_log_service_over_real_grpc() -> None:
     assert sample("llm_extproc_access_log_entries_total", {"outcome": "released"}) == 3
     assert sample("llm_extproc_access_log_entries_total", {"outcome": "no_ticket"}) == 1
     assert sample("llm_extproc_access_log_entries_total", {"outcome": "other_replica"}) == 1
+
+
+def _entry(start_s: float, first_byte: object = None, namespace: str = "llm_extproc") -> HTTPAccessLogEntry:
+    entry = HTTPAccessLogEntry()
+    entry.common_properties.start_time.FromNanoseconds(int(start_s * 1e9))
+    if first_byte is not None:
+        entry.common_properties.metadata.filter_metadata[namespace].update({"first_byte_ms": first_byte})
+    return entry
+
+
+def test_the_first_byte_time_is_read_from_the_entry_and_bad_values_are_dropped() -> None:
+    """The Lua filter's `first_byte_ms` (ms since the epoch) against the entry's start; missing, of
+    the wrong type, before the start or absurdly late: not a TTFT (the request still releases)."""
+    start = 1_796_549_211.9182
+    assert _first_byte_s(_entry(start, start * 1000 + 303.0)) == pytest.approx(0.303, abs=1e-6)
+    assert _first_byte_s(_entry(start, 1_796_549_211_918.0)) == 0.0  # the start's own millisecond
+    assert _first_byte_s(_entry(start)) is None
+    assert _first_byte_s(_entry(start, start * 1000 + 300.0, namespace="other")) is None
+    assert _first_byte_s(_entry(start, "1796549212221")) is None
+    assert _first_byte_s(_entry(start, start * 1000 - 50.0)) is None
+    assert _first_byte_s(_entry(start, start * 1000 + 2e7)) is None
+
+
+async def test_streamed_requests_count_their_observed_ttft_by_class_when_released() -> None:
+    lc = lifecycle()
+    pending = PendingReleases(lc, 60.0, replica="r1")
+    streamed = await routed(lc, pending, orjson.dumps({**orjson.loads(CHAT), "stream": True}))
+    plain = await routed(lc, pending)
+    for stream, seconds in ((streamed, 0.25), (plain, 0.75)):
+        assert stream.ticket is not None
+        assert pending.complete(stream.ticket, "access_log", None, lambda s=seconds: s) == "released"
+    sample = lc.metrics.registry.get_sample_value
+    assert sample("llm_extproc_observed_ttft_seconds_count", {"priority": "standard"}) == 1
+    assert sample("llm_extproc_observed_ttft_seconds_sum", {"priority": "standard"}) == 0.25
 
 
 def test_release_mode_is_validated() -> None:

@@ -946,6 +946,7 @@ def shipped() -> dict[str, Any]:
         "early": hcm["early_header_mutation_extensions"],
         "access_log": grpc_log,
         "health_checks": cluster["health_checks"],
+        "first_byte": next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.lua"),
     }
 
 
@@ -969,6 +970,27 @@ def test_istio_envoyfilter_carries_the_shipped_envoy_blocks() -> None:
     assert hcm["early_header_mutation_extensions"] == ref["early"]
     assert [without_grpc_target(a) for a in hcm["access_log"]] == [without_grpc_target(ref["access_log"])]
     assert patches[2]["patch"]["value"]["health_checks"] == ref["health_checks"]
+    # the same script, run for every response (Istio's routes are its own): non-streamed ones return
+    # at the content-type check
+    lua = patches[3]["patch"]["value"]["typed_config"]
+    assert lua["default_source_code"] == ref["first_byte"]["typed_config"]["source_codes"]["first-byte"]
+
+
+@pytest.mark.parametrize("name", ["envoy.yaml", "endpoint-picker.yaml"])
+def test_the_first_byte_filter_runs_on_the_streaming_route_only(name: str) -> None:
+    """Observed TTFT: the Lua filter right before the router, its script named by the streaming
+    route's per-filter config and by no other route (non-streamed requests pay nothing)."""
+    cfg = load_envoy_config(ENVOY_DIR / name)
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names[-2:] == ["envoy.filters.http.lua", "envoy.filters.http.router"]
+    assert hcm["http_filters"][-2] == shipped()["first_byte"]
+    assert "default_source_code" not in hcm["http_filters"][-2]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    with_lua = [r for r in routes if "envoy.filters.http.lua" in r.get("typed_per_filter_config", {})]
+    assert len(with_lua) == 1
+    assert {"name": "x-llm-stream", "present_match": True} in with_lua[0]["match"]["headers"]
+    assert with_lua[0]["typed_per_filter_config"]["envoy.filters.http.lua"]["name"] == "first-byte"
 
 
 def test_envoy_gateway_policies_carry_the_shipped_settings() -> None:

@@ -186,6 +186,51 @@ async def test_client_disconnect_releases_inflight(stack: Stack, engines: Engine
     assert stack.metrics()[f'llm_extproc_releases_total{{trigger="{trigger}"}}'] >= 1
 
 
+def _observed(stack: Stack, klass: str) -> tuple[float, float]:
+    m = stack.metrics()
+    key = f'{{priority="{klass}"}}'
+    return (
+        m.get(f"llm_extproc_observed_ttft_seconds_count{key}", 0.0),
+        m.get(f"llm_extproc_observed_ttft_seconds_sum{key}", 0.0),
+    )
+
+
+async def test_streamed_requests_report_their_observed_ttft_by_class(
+    stack: Stack, engines: EngineGroup
+) -> None:
+    """The shipped envoy.yaml's Lua filter writes the first response byte's time into the access-log
+    entry, and the service counts it by class: the time to the first token, not to the response
+    headers (sent at the prefill's end here) nor to the last token. Non-streamed responses are not
+    counted (their first byte is the whole answer); with `release_on: stream_end` there is no entry."""
+    for e in engines.engines:
+        e.token_delay_s = 0.1  # the prefill (~0.03 s here), then 0.1 s a token: first token ~0.13 s
+    assert await asyncio.to_thread(wait_until, lambda: stack.inflight() == 0)
+    before = {k: _observed(stack, k) for k in ("standard", "sheddable")}
+    streamed = {**CHAT, "stream": True, "max_tokens": 4}  # the last token ~0.43 s
+    async with aiohttp.ClientSession() as s:
+        for klass in ("standard", "sheddable"):
+            for _ in range(2):
+                status, _, _ = await post(
+                    s, stack, "/v1/chat/completions", streamed, headers={"x-llm-priority": klass}
+                )
+                assert status == 200
+        status, _, _ = await post(
+            s, stack, "/v1/chat/completions", CHAT, headers={"x-llm-priority": "standard"}
+        )
+        assert status == 200
+    assert await asyncio.to_thread(wait_until, lambda: stack.inflight() == 0)
+    if stack.service_config.get("release_on") == "stream_end":
+        assert {k: _observed(stack, k) for k in before} == before
+        return
+    assert await asyncio.to_thread(
+        wait_until, lambda: all(_observed(stack, k)[0] == before[k][0] + 2 for k in before)
+    ), stack.metrics()
+    for klass, (count, total) in before.items():
+        now_count, now_total = _observed(stack, klass)
+        mean = (now_total - total) / (now_count - count)
+        assert 0.1 <= mean < 0.3, (klass, mean)
+
+
 async def test_spoofed_routing_headers_are_ignored(stack: Stack, engines: EngineGroup) -> None:
     busy, idle = engines.engines
     busy.token_delay_s = 0.2

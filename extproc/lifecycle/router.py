@@ -426,6 +426,13 @@ class RequestLifecycle:
         decision.profile.finished(decision.request, decision.upstream)
         self.admission.dispatch(decision.request.model)  # the freed capacity goes to a waiter
 
+    def first_byte(self, decision: Decision, seconds: float) -> None:
+        """A streamed request's first response byte came `seconds` after it reached Envoy (its
+        access-log entry): the observed TTFT, by class, beside the predicted one."""
+        if decision.request.stream:
+            klass = priority_class(decision.request.priority).value
+            self.metrics.observed_ttft_by(klass).observe(seconds)
+
     def reject(self, error: RequestError, decision: Decision | None = None) -> None:
         """The request is answered with `error` (before or after routing): release and count it."""
         model = None

@@ -6,6 +6,9 @@ routed request carries a ticket header; Envoy's gRPC access log (AccessLogServic
 stream per Envoy worker, buffered) reports every finished request with that header, and the entry
 releases the request's in-flight lease. The access log is best effort: a ticket whose entry never
 comes (an access-log stream lost with its buffer) is released after `lease_timeout_s`, counted.
+The entry also carries the response's first body byte time where the shipped envoy.yaml's Lua filter
+wrote it: a streamed request's TTFT as Envoy saw it, counted by class (no other Envoy timing gives
+it: the first upstream byte is the response headers, sent before the first token).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from extproc.server.picker import record_served
 log = logging.getLogger("extproc.completions")
 
 SWEEP_EVERY_S = 1.0
+# Where the shipped envoy.yaml's Lua filter writes the response's first body byte time (observed TTFT).
+FIRST_BYTE_NAMESPACE = "llm_extproc"
+FIRST_BYTE_KEY = "first_byte_ms"
+MAX_FIRST_BYTE_S = 3600.0  # later than this after the start: not this request's (a clock step)
 # Routed requests older than this with no access-log stream ever seen: Envoy is not configured to
 # report to us (warned once; the leases would otherwise expire only after lease_timeout_s).
 NO_ACCESS_LOG_WARN_S = 30.0
@@ -85,19 +92,29 @@ class PendingReleases:
         return ticket
 
     def complete(
-        self, ticket: str, trigger: str, served: str | Callable[[], str | None] | None = None
+        self,
+        ticket: str,
+        trigger: str,
+        served: str | Callable[[], str | None] | None = None,
+        first_byte: Callable[[], float | None] | None = None,
     ) -> str:
         """Release the request behind `ticket`; returns the outcome (a metric label). `served`: the
         upstream address Envoy reports (endpoint mode: counted, see server/picker.py), or a function
         that reads it, called only in endpoint mode (so the other modes never pay for reading it
-        out of an entry)."""
+        out of an entry). `first_byte`: reads the seconds from the request's start to its first
+        response byte, called only for streamed requests."""
         entry = self._pending.pop(ticket, None)
         if entry is not None:
-            if served is not None and entry.decision.upstream.address is not None:
+            decision = entry.decision
+            if served is not None and decision.upstream.address is not None:
                 where = served() if callable(served) else served
                 if where:
-                    record_served(self.lifecycle, entry.decision, where)
-            self.lifecycle.finish(entry.decision, trigger)
+                    record_served(self.lifecycle, decision, where)
+            if first_byte is not None and decision.request.stream:
+                seconds = first_byte()
+                if seconds is not None:
+                    self.lifecycle.first_byte(decision, seconds)
+            self.lifecycle.finish(decision, trigger)
             return "released"
         if not ticket:
             return "no_ticket"
@@ -177,7 +194,9 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     def _entries(self, message: als_pb2.StreamAccessLogsMessage) -> None:
         for entry in message.http_logs.log_entry:
             ticket = entry.request.request_headers.get(self.header, "")
-            outcome = self.pending.complete(ticket, "access_log", partial(_upstream_address, entry))
+            outcome = self.pending.complete(
+                ticket, "access_log", partial(_upstream_address, entry), partial(_first_byte_s, entry)
+            )
             if outcome == "other_replica" and self.relay is not None:
                 self.relay(ticket)
                 outcome = "relayed"
@@ -191,3 +210,24 @@ def _upstream_address(entry: Any) -> str | None:
         return None
     host = f"[{addr.address}]" if ":" in addr.address else addr.address
     return f"{host}:{addr.port_value}"
+
+
+def _first_byte_s(entry: Any) -> float | None:
+    """Seconds from the entry's start to its response's first body byte: `first_byte_ms` (Envoy's
+    wall clock, ms since the epoch) in the FIRST_BYTE_NAMESPACE dynamic metadata, which the shipped
+    envoy.yaml's Lua filter writes. None without it (another Envoy configuration), or out of range."""
+    common = entry.common_properties
+    namespaces = common.metadata.filter_metadata
+    if FIRST_BYTE_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[FIRST_BYTE_NAMESPACE].fields
+    if FIRST_BYTE_KEY not in fields:
+        return None
+    value = fields[FIRST_BYTE_KEY]
+    if value.WhichOneof("kind") != "number_value":
+        return None
+    start = common.start_time
+    seconds = value.number_value / 1000.0 - (start.seconds + start.nanos / 1e9)
+    # Millisecond resolution against a microsecond start: a first byte in the start's millisecond
+    # reads up to 1 ms early.
+    return max(seconds, 0.0) if -0.001 <= seconds <= MAX_FIRST_BYTE_S else None

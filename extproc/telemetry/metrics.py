@@ -359,6 +359,15 @@ class Metrics:
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
+        self.observed_ttft = Histogram(
+            "llm_extproc_observed_ttft_seconds",
+            "Streamed requests' TTFT as Envoy saw it, from the request's start to the response's first "
+            "body byte (the access-log entry's first_byte_ms, written by the shipped envoy.yaml's Lua "
+            "filter), by priority class. The observed side of llm_extproc_predicted_ttft_seconds.",
+            ["priority"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.admission_queue = Gauge(
             "llm_extproc_admission_queue_length",
             "Requests waiting in the admission queue (all models).",
@@ -403,6 +412,7 @@ class Metrics:
         self.tokenized_tokens_by = Children(self.tokenized_tokens)
         self.admission_by = Children(self.admission)  # with admission on: every request
         self.predicted_ttft_by = Children(self.predicted_ttft)
+        self.observed_ttft_by = Children(self.observed_ttft)
         self.endpoint_served_by = Children(self.endpoint_served)  # endpoint mode: every request
         for cluster in clusters:
             self.inflight_by(cluster).set(0)

@@ -262,7 +262,7 @@ async def collect(*, seconds: float, rate: float, scrape_s: float, workdir: Path
     from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
     from extproc_lab.bench.loadgen import open_loop
     from extproc_lab.bench.scenarios import MODEL, _n_cluster_gateway
-    from extproc_lab.bench.workloads import make_workload
+    from extproc_lab.bench.workloads import make_workload, with_priorities
     from extproc_lab.engines import EngineGroup
     from extproc_lab.engines.profiles import PROFILES
     from extproc_lab.stack import free_port, local_redis
@@ -316,10 +316,18 @@ async def collect(*, seconds: float, rate: float, scrape_s: float, workdir: Path
         if notice != "redis-server":
             print(notice)
         count = int(seconds * rate)
-        wl = make_workload("shared-prefix", rate=rate, count=count, seed=0, model=MODEL, tenants=64)
+        # Each request with a priority class (20 / 50 / 30 %), for the per-class panels.
+        wl = with_priorities(
+            make_workload("shared-prefix", rate=rate, count=count, seed=0, model=MODEL, tenants=64)
+        )
         url = gw.url + "/v1/chat/completions"
         tasks = [asyncio.create_task(scraper()), asyncio.create_task(bad_requests(url))]
-        await open_loop(url, [(r.arrival_s, r.body, r.tag) for r in wl.requests], progress="dashboard demo")
+        await open_loop(
+            url,
+            [(r.arrival_s, r.body, r.tag) for r in wl.requests],
+            progress="dashboard demo",
+            headers=wl.headers,
+        )
         await asyncio.sleep(3 * scrape_s)  # the tail of the last requests
         for t in tasks:
             t.cancel()
