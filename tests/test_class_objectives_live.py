@@ -43,4 +43,11 @@ async def test_a_short_live_run_accounts_for_every_request(tmp_path: Path) -> No
             assert all(classes[k]["other_errors"] == 0 for k in CLASSES)
             assert classes["critical"]["shed"] == 0
         assert sum(run["policies"]["round-robin"]["classes"][k]["shed"] for k in CLASSES) == 0
+        assert "observed_ttft" not in run["policies"]["round-robin"]
+        for row in (OURS, CONFIGURED):
+            # every request served is in the service's observed TTFT, near what its client measured
+            for k, seen in run["policies"][row]["observed_ttft"].items():
+                assert seen["service_count"] == seen["client_count"], (row, k, seen)
+                if seen["client_count"]:  # Envoy's first byte, a loopback hop before the client's
+                    assert 0.8 * seen["client_mean_ms"] <= seen["service_mean_ms"] <= seen["client_mean_ms"]
     assert set(result["checks"]) == {OURS, CONFIGURED}

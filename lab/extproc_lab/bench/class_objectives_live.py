@@ -38,8 +38,8 @@ from extproc_lab.bench.classes import (
     class_checks,
     workload,
 )
-from extproc_lab.bench.priorities import hold_line, row_stats
-from extproc_lab.bench.report import Slo
+from extproc_lab.bench.priorities import CLASSES, hold_line, row_stats
+from extproc_lab.bench.report import RequestRecord, Slo
 from extproc_lab.bench.scenarios import peer_missing, run_live_requests
 
 # Row -> the live policy that runs it.
@@ -103,6 +103,7 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
             if peer_missing(policy) is not None:
                 skipped[row] = peer_missing(policy) or ""
                 continue
+            samples: dict[str, float] = {}
             ran = await run_live_requests(
                 policy,
                 requests,
@@ -112,11 +113,14 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
                 service_extra=service_of.get(row),
                 headers=list(wl.headers),
                 max_num_seqs=row == CONFIGURED,
+                service_metrics=samples,
             )
             if ran is None:
                 skipped[row] = "could not start"
                 continue
             per[row] = row_stats(row, ran[0], wl.duration_s, cfg.slo, cfg.warmup)
+            if samples:
+                per[row]["observed_ttft"] = observed_ttft(ran[0], samples, cfg.time_scale)
             k = per[row]["classes"]
             progress(
                 f"  {cfg.cell} {load:.0%} {row}: good {per[row]['goodput_rps']:.2f}/s, critical p99 "
@@ -148,6 +152,28 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
     (out_dir / "classes-live.json").write_text(json.dumps(result, indent=2, sort_keys=True))
     (out_dir / "classes-live.md").write_text(markdown(result))
     return result
+
+
+def observed_ttft(
+    records: Sequence[RequestRecord], samples: dict[str, float], time_scale: float
+) -> dict[str, dict[str, float | None]]:
+    """Per class: the service's `llm_extproc_observed_ttft_seconds` (Envoy's first response byte)
+    against the clients' own TTFT of the same requests, means in virtual ms: the metric checked
+    against what was sent."""
+    out: dict[str, dict[str, float | None]] = {}
+    for klass in CLASSES:
+        label = f'{{priority="{klass}"}}'
+        count = samples.get(f"llm_extproc_observed_ttft_seconds_count{label}", 0.0)
+        total = samples.get(f"llm_extproc_observed_ttft_seconds_sum{label}", 0.0)
+        tag = f"{klass}/"
+        client = [r.ttft_s for r in records if r.ok and r.ttft_s is not None and r.tag.startswith(tag)]
+        out[klass] = {
+            "service_count": count,
+            "service_mean_ms": total / count * time_scale * 1000 if count else None,
+            "client_count": float(len(client)),
+            "client_mean_ms": sum(client) / len(client) * 1000 if client else None,
+        }
+    return out
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -183,9 +209,34 @@ def markdown(result: dict[str, Any]) -> str:
                 f"best peer {v['best_peer_goodput']:.2f} ({v['best_peer']})"
             )
         lines.append(f"- {hold_line(ch['goodput_hold'])}")
+    observed = [
+        (load, row, st["observed_ttft"])
+        for load, run in result["loads"].items()
+        for row, st in run["policies"].items()
+        if "observed_ttft" in st
+    ]
+    if observed:
+        lines += [
+            "",
+            "## Observed TTFT: the service's metric against the clients' (mean ms, virtual time)",
+            "",
+            "| load | row | " + " | ".join(f"{k}: service / clients (n)" for k in CLASSES) + " |",
+            "|---|---|" + "---|" * len(CLASSES),
+        ]
+        for load, row, by in observed:
+            cells = [
+                f"{_ms(v['service_mean_ms'])} / {_ms(v['client_mean_ms'])} ({v['service_count']:.0f}/"
+                f"{v['client_count']:.0f})"
+                for v in (by[k] for k in CLASSES)
+            ]
+            lines.append(f"| {float(load):.0%} | {row} | " + " | ".join(cells) + " |")
     for row, why in result.get("skipped", {}).items():
         lines.append(f"- skipped {row}: {why}")
     return "\n".join(lines) + "\n"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -576,6 +576,7 @@ async def run_live_requests(
     scheduling_policy: str = "fcfs",
     token_scales: Sequence[float] = (1.0,),
     max_num_seqs: bool = False,
+    service_metrics: dict[str, float] | None = None,
 ) -> tuple[list[RequestRecord], float] | None:
     """One policy on a fresh fleet of `profiles` (cold caches) serving `requests` given in *virtual*
     time: arrivals are sent `time_scale` times faster and the records' latencies are converted back to
@@ -587,7 +588,8 @@ async def run_live_requests(
     `headers`: per request, sent with it (a priority class, an objective); `scheduling_policy`: the
     engines' (vLLM's `--scheduling-policy`); `token_scales`: each engine's tokens per built-in token
     (engines that count differently from a router's estimate; cycled); `max_num_seqs`: the publisher
-    is configured with each engine's batch limit (llm-extproc only)."""
+    is configured with each engine's batch limit (llm-extproc only); `service_metrics` (a dict): filled
+    with the first llm-extproc replica's samples once the last request has ended (real seconds)."""
     import subprocess
 
     from extproc_lab.stack import wait_port
@@ -627,6 +629,9 @@ async def run_live_requests(
             sampler = asyncio.create_task(_sample_agreement(gateways[0], replicas, agreement))
         real = [(a / time_scale, body, tag) for a, body, tag in requests]
         records, wall = await open_loop(url + "/v1/chat/completions", real, progress=policy, headers=headers)
+        if service_metrics is not None and gateways:
+            await asyncio.sleep(0.5)  # the access log's last entries (flushed every 20 ms)
+            service_metrics.update(await asyncio.to_thread(gateways[0].metrics, 0))
     finally:
         if sampler is not None:
             sampler.cancel()
