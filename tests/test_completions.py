@@ -14,7 +14,9 @@ from test_stream import CHAT, POOL, body_msg, headers_msg, set_headers
 from extproc.config import config_from_dict
 from extproc.lifecycle import RequestLifecycle
 from extproc.server.completions import AccessLogReceiver, PendingReleases, _first_byte_s
+from extproc.server.relay import ReleaseRelay
 from extproc.server.stream import Phase, RequestStream
+from extproc.settings import RedisSettings
 from extproc.telemetry import Metrics
 
 
@@ -194,6 +196,31 @@ async def test_streamed_requests_count_their_observed_ttft_by_class_when_release
     sample = lc.metrics.registry.get_sample_value
     assert sample("llm_extproc_observed_ttft_seconds_count", {"priority": "standard"}) == 1
     assert sample("llm_extproc_observed_ttft_seconds_sum", {"priority": "standard"}) == 0.25
+
+
+async def test_a_relayed_first_byte_time_is_counted_by_the_owner_and_ignored_by_an_older_one() -> None:
+    """With several replicas the access-log entry may reach another replica: it relays the first-byte
+    time on a line of its own before the ticket. The owner counts it; a replica that predates it reads
+    the line as a ticket it does not know, releases nothing by it, and releases on the ticket line."""
+    lc = lifecycle()
+    owner = PendingReleases(lc, 60.0, replica="owner")
+    streamed = await routed(lc, owner, orjson.dumps({**orjson.loads(CHAT), "stream": True}))
+    assert streamed.ticket is not None
+    sender = ReleaseRelay(RedisSettings(url="redis://127.0.0.1:1", pool="p"), PendingReleases(lc, 60.0))
+    sender.forward(streamed.ticket, 0.25)
+    sender.forward("owner.plain")
+    sender.forward("owner.with space", 0.1)  # not a ticket: dropped
+    lines = sender._outbox["owner"]
+    assert lines == [f"{streamed.ticket} 0.250000", streamed.ticket, "owner.plain"]
+    assert owner.complete(lines[0], "access_log_relay") == "unknown"  # as an older replica reads it
+    assert lc.inflight.total() == 1
+    receiver = ReleaseRelay(RedisSettings(url="redis://127.0.0.1:1", pool="p"), owner)
+    receiver._apply("\n".join([*lines[:2], f"{streamed.ticket} nan", "x.y -1", "x.y 0.3"]).encode())
+    sample = lc.metrics.registry.get_sample_value
+    assert sample("llm_extproc_observed_ttft_seconds_count", {"priority": "standard"}) == 1
+    assert sample("llm_extproc_observed_ttft_seconds_sum", {"priority": "standard"}) == 0.25
+    assert lc.inflight.total() == 0
+    assert sample("llm_extproc_relayed_releases_total", {"direction": "applied"}) == 1
 
 
 def test_release_mode_is_validated() -> None:

@@ -216,6 +216,22 @@ async def test_two_replicas_release_each_others_requests_through_redis(
         applied = sum(m.get('llm_extproc_relayed_releases_total{direction="applied"}', 0) for m in samples)
         expired = sum(m.get('llm_extproc_releases_total{trigger="expired"}', 0) for m in samples)
         assert applied >= 1 and expired == 0, samples
+        # Streamed requests' first-byte times travel with the relayed tickets: the replicas' observed
+        # TTFT counts add up to every streamed request, whichever replica got each entry.
+        async with aiohttp.ClientSession() as s:
+
+            async def streamed() -> int:
+                async with s.post(stack.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+                    await r.read()
+                    return r.status
+
+            assert await asyncio.gather(*(streamed() for _ in range(40))) == [200] * 40
+
+        def observed() -> float:
+            key = 'llm_extproc_observed_ttft_seconds_count{priority="standard"}'
+            return sum(stack.metrics(i).get(key, 0.0) for i in range(2))
+
+        assert wait_until(lambda: settled() and observed() == 40, timeout=10), observed()
     finally:
         redis.stop()
 

@@ -121,6 +121,19 @@ class PendingReleases:
         replica, _, _ = ticket.partition(".")
         return "unknown" if replica == self.replica else "other_replica"
 
+    def first_byte(self, ticket: str, seconds: str) -> None:
+        """Another replica's access log gave the first-byte time (`seconds`, as relayed) of a request
+        this one routed and still holds: counted as its observed TTFT (the release comes next)."""
+        entry = self._pending.get(ticket)
+        if entry is None or not entry.decision.request.stream:
+            return
+        try:
+            value = float(seconds)
+        except ValueError:
+            return
+        if 0.0 <= value <= MAX_FIRST_BYTE_S:  # also refuses nan
+            self.lifecycle.first_byte(entry.decision, value)
+
     def cancel(self, ticket: str) -> None:
         """Forget a ticket whose request was released another way (rejected, stream cancelled)."""
         self._pending.pop(ticket, None)
@@ -169,7 +182,10 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
     """Envoy's AccessLogService: each HTTP entry carrying a ticket header releases that request."""
 
     def __init__(
-        self, pending: PendingReleases, ticket_header: str, relay: Callable[[str], None] | None = None
+        self,
+        pending: PendingReleases,
+        ticket_header: str,
+        relay: Callable[[str, float | None], None] | None = None,
     ) -> None:
         self.pending = pending
         self.header = ticket_header
@@ -198,7 +214,7 @@ class AccessLogReceiver(als_pb2_grpc.AccessLogServiceServicer):
                 ticket, "access_log", partial(_upstream_address, entry), partial(_first_byte_s, entry)
             )
             if outcome == "other_replica" and self.relay is not None:
-                self.relay(ticket)
+                self.relay(ticket, _first_byte_s(entry))
                 outcome = "relayed"
             self.entries(outcome).inc()
 

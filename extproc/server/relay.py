@@ -6,6 +6,10 @@ routing replica; the receiver batches such tickets and PUBLISHes them on that re
 (`<prefix>:done:<replica>`), which the owner applies. Nothing here is on the request path. With
 Redis down or failing over (or the owner not yet subscribed again) the tickets are held and retried
 for HOLD_S, then dropped (counted) and the owner's leases expire (lease_timeout_s).
+
+A message is one ticket a line. A streamed request's first-byte time (observed TTFT) travels on a
+line of its own, `<ticket> <seconds>`, before its ticket's: an older replica reads it as a ticket it
+does not know and releases nothing by it, so replicas of both versions can run side by side.
 """
 
 from __future__ import annotations
@@ -52,12 +56,16 @@ class ReleaseRelay:
     async def stop(self) -> None:
         await cancel_until_done(self._tasks)
 
-    def forward(self, ticket: str) -> None:
-        """Queue a ticket routed by another replica (called from the access-log receiver)."""
+    def forward(self, ticket: str, first_byte_s: float | None = None) -> None:
+        """Queue a ticket routed by another replica (called from the access-log receiver), with its
+        response's first-byte time when the entry had one."""
         replica = ticket.partition(".")[0]
-        if not replica or len(replica) > 64:
+        if not replica or len(replica) > 64 or " " in ticket:
             return
-        self._outbox[replica].append(ticket)
+        lines = self._outbox[replica]
+        if first_byte_s is not None:
+            lines.append(f"{ticket} {first_byte_s:.6f}")
+        lines.append(ticket)
         self._wake.set()
 
     async def _send_loop(self) -> None:
@@ -86,7 +94,7 @@ class ReleaseRelay:
                 # Nobody listening (the owner is reconnecting after a failover; counted only where
                 # PUBLISH can tell: not on a Cluster) or Redis failed: retry for up to HOLD_S.
                 retry = [b for b, n in zip(batches, receivers or [1] * len(batches), strict=True) if n <= 0]
-                sent = sum(len(t) for _, t in batches) - sum(len(t) for _, t in retry)
+                sent = sum(_tickets(t) for _, t in batches) - sum(_tickets(t) for _, t in retry)
                 if sent:
                     self.metrics.relayed_releases.labels(direction="sent").inc(sent)
                 if not retry:
@@ -96,7 +104,7 @@ class ReleaseRelay:
                 held_since = now if held_since is None else held_since
                 if now - held_since > HOLD_S:  # the owners' leases expire instead
                     self.metrics.relayed_releases.labels(direction="dropped").inc(
-                        sum(len(t) for _, t in retry)
+                        sum(_tickets(t) for _, t in retry)
                     )
                     held_since, delay = None, RECONNECT_S[0]
                     continue
@@ -115,9 +123,10 @@ class ReleaseRelay:
             if excess <= 0:
                 break
             cut = min(excess, len(tickets))
+            dropped = _tickets(tickets[:cut])
             del tickets[:cut]  # the oldest go first
             excess -= cut
-            self.metrics.relayed_releases.labels(direction="dropped").inc(cut)
+            self.metrics.relayed_releases.labels(direction="dropped").inc(dropped)
 
     async def _receive_loop(self) -> None:
         def lost(exc: Exception) -> None:
@@ -130,8 +139,16 @@ class ReleaseRelay:
             return
         text = data.decode("utf-8", "replace") if isinstance(data, bytes) else data
         applied = 0
-        for ticket in text.split("\n"):
-            if self.pending.complete(ticket, "access_log_relay") == "released":
+        for line in text.split("\n"):
+            ticket, _, first_byte = line.partition(" ")
+            if first_byte:
+                self.pending.first_byte(ticket, first_byte)
+            elif self.pending.complete(ticket, "access_log_relay") == "released":
                 applied += 1
         if applied:
             self.metrics.relayed_releases.labels(direction="applied").inc(applied)
+
+
+def _tickets(lines: list[str]) -> int:
+    """The tickets among relayed lines (a `<ticket> <seconds>` line is a first-byte time)."""
+    return sum(1 for line in lines if " " not in line)
