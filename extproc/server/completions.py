@@ -125,13 +125,13 @@ class PendingReleases:
         """Another replica's access log gave the first-byte time (`seconds`, as relayed) of a request
         this one routed and still holds: counted as its observed TTFT (the release comes next)."""
         entry = self._pending.get(ticket)
-        if entry is None or not entry.decision.request.stream:
+        if entry is None:
             return
         try:
-            value = float(seconds)
+            value = _ttft_or_none(float(seconds))
         except ValueError:
             return
-        if 0.0 <= value <= MAX_FIRST_BYTE_S:  # also refuses nan
+        if value is not None:
             self.lifecycle.first_byte(entry.decision, value)
 
     def cancel(self, ticket: str) -> None:
@@ -243,7 +243,11 @@ def _first_byte_s(entry: Any) -> float | None:
     if value.WhichOneof("kind") != "number_value":
         return None
     start = common.start_time
-    seconds = value.number_value / 1000.0 - (start.seconds + start.nanos / 1e9)
-    # Millisecond resolution against a microsecond start: a first byte in the start's millisecond
-    # reads up to 1 ms early.
+    return _ttft_or_none(value.number_value / 1000.0 - (start.seconds + start.nanos / 1e9))
+
+
+def _ttft_or_none(seconds: float) -> float | None:
+    """A first-byte time as a TTFT, or None: before the start, past MAX_FIRST_BYTE_S, or not a number.
+    Millisecond resolution against a microsecond start: one in the start's millisecond reads up to
+    1 ms early, and counts as 0."""
     return max(seconds, 0.0) if -0.001 <= seconds <= MAX_FIRST_BYTE_S else None
