@@ -111,6 +111,8 @@ async def run_doctor(opts: DoctorOptions) -> list[Check]:
         else:
             found, states = await _check_redis(settings, config, opts.timeout_s)
             checks.extend(found)
+        if config.admission.enabled and states:
+            checks.append(check_batch_limits(config, states))
         if config.engine_priority is not None:
             checks.extend(await _check_engine_priority(config, states, opts))
         checks.append(await _check_calibration(config, opts))
@@ -518,6 +520,35 @@ def _snapshot_checks(
 
 
 # -- engines -------------------------------------------------------------------------------------
+BATCH_LIMITS_FIX = (
+    "admission learns each engine's batch limit only from its first queue, so after a cold start or "
+    "a restart a burst of standard and sheddable requests can fill those batches and queue critical "
+    "requests behind them (docs/tuning.md, class objectives). Set `max_num_seqs` to the engine's "
+    "--max-num-seqs (vLLM) or --max-running-requests (SGLang) on the publisher's instance, or in the "
+    "cluster's `llm-extproc` metadata with --envoy-admin discovery"
+)
+
+
+def check_batch_limits(config: ServiceConfig, states: list[InstanceState]) -> Check:
+    """With admission on: does every fresh READY upstream say how many requests it runs at once?
+    vLLM publishes no such figure; without it the cold start is the weak part of class separation."""
+    now = time.time()
+    known = set(config.pool.cluster_names())
+    live = [s for s in states if s.cluster in known and s.ready and s.fresh(now)]
+    if not live:
+        return Check("batch limits", None, "no fresh READY snapshot to read")
+    missing = sorted(s.upstream_id for s in live if s.max_num_seqs is None)
+    if not missing:
+        return Check("batch limits", True, f"max_num_seqs known for all {len(live)} upstreams")
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return Check(
+        "batch limits",
+        True,
+        f"{len(missing)} of {len(live)} upstreams publish no max_num_seqs ({shown}): {BATCH_LIMITS_FIX}",
+        warn=True,
+    )
+
+
 async def _check_engine_priority(
     config: ServiceConfig, states: list[InstanceState], opts: DoctorOptions
 ) -> list[Check]:

@@ -347,6 +347,82 @@ def test_a_snapshot_without_load_or_kv_figures_is_a_warning(
     assert any(line.startswith("WARN signals gpu-b: gpu-b/127.0.0.1:1") for line in out)
 
 
+def test_admission_without_published_batch_limits_is_a_warning(
+    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM publishes no `--max-num-seqs`: with admission on, a cold fleet's batches fill before
+    their limits show, ahead of critical requests. The doctor names the upstreams lacking it and
+    says where to set it; with admission off it says nothing."""
+    assert "batch limits" not in setup.doctor()  # admission off (the shipped default)
+    cfg = yaml.safe_load(Path(setup.config).read_text())
+    path = tmp_path / "service.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "admission": {"enabled": True}}))
+    warn = setup.doctor(config=str(path))["batch limits"]
+    ports = setup.stack.engines.ports
+    assert warn.ok is True and warn.warn
+    assert warn.detail.startswith(f"2 of 2 upstreams publish no max_num_seqs (gpu-a/127.0.0.1:{ports[0]}, ")
+    assert f"gpu-b/127.0.0.1:{ports[1]}" in warn.detail and "--max-num-seqs" in warn.detail
+    # An upstream whose publisher was told the figure is not listed.
+    put_snapshot(
+        setup,
+        engine="vllm",
+        published_at_ms=int(time.time() * 1000),
+        ttl_ms=60_000,
+        publisher_id="p",
+        max_num_seqs=8,
+    )
+    warn = setup.doctor(config=str(path))["batch limits"]
+    assert warn.detail.startswith("2 of 3 upstreams") and "127.0.0.1:1" not in warn.detail
+    assert main(["doctor", "--config", str(path), "--envoy-admin", setup.admin]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("WARN batch limits: 2 of 3 upstreams") for line in out), out
+    assert out[-1].startswith("all checks passed (")  # the bare snapshot also lacks load figures
+
+
+def test_batch_limits_check_counts_fresh_ready_upstreams_of_the_pool() -> None:
+    from extproc.config import config_from_dict
+    from extproc.doctor import check_batch_limits
+    from extproc.fleet.snapshots import InstanceState, decode
+
+    now = time.time()
+    config = config_from_dict(
+        {"pool": {"clusters": [{"name": "gpu-a", "models": ["m"]}]}, "admission": {"enabled": True}}
+    )
+
+    def state(
+        uid: str, seqs: int | None, ready: int = spb.READY, age_s: float = 0.0, cluster: str = "gpu-a"
+    ) -> InstanceState:
+        snap = spb.UpstreamSnapshot(
+            upstream_id=f"{cluster}/{uid}",
+            cluster=cluster,
+            readiness=ready,
+            published_at_ms=int((now - age_s) * 1000),
+            ttl_ms=5_000,
+        )
+        if seqs is not None:
+            snap.max_num_seqs = seqs
+        return decode(snap.SerializeToString(), frozenset({"gpu-a", "gpu-b"}))
+
+    ok = check_batch_limits(config, [state("a:1", 8), state("a:2", 256)])
+    assert ok.ok is True and not ok.warn and ok.detail == "max_num_seqs known for all 2 upstreams"
+    # Stale, not ready or outside the pool: not counted either way.
+    others = [
+        state("a:3", None, age_s=60.0),
+        state("a:4", None, ready=spb.DOWN),
+        state("b:1", None, cluster="gpu-b"),
+    ]
+    assert check_batch_limits(config, [state("a:1", 8), *others]).detail.startswith(
+        "max_num_seqs known for all 1"
+    )
+    skipped = check_batch_limits(config, others)
+    assert skipped.ok is None
+    many = check_batch_limits(config, [state(f"a:{i}", None) for i in range(6)] + [state("a:9", 8)])
+    assert many.warn and many.detail.startswith(
+        "6 of 7 upstreams publish no max_num_seqs (gpu-a/a:0, gpu-a/a:1,"
+    )
+    assert "gpu-a/a:3 and 2 more)" in many.detail
+
+
 # -- calibration (the service's /metrics) -------------------------------------------------------------
 
 
