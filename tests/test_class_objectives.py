@@ -11,7 +11,7 @@ from builders import FixedBacklog, IdleState
 
 from extproc.config import ConfigError
 from extproc.fleet import Upstream
-from extproc.fleet.batch import PROBE_AFTER_S, QUEUE_HOLD_S, BatchLimits
+from extproc.fleet.batch import KIND_PROBE_AFTER_S, PROBE_AFTER_S, QUEUE_HOLD_S, BatchLimits
 from extproc.lifecycle.admission import Admission, Verdict
 from extproc.openai import InferenceRequest, RequestError
 from extproc.scheduling.ttft_predictor import slot_wait
@@ -63,8 +63,9 @@ def test_the_limit_is_the_batch_seen_queueing_and_a_growing_batch_only_while_it_
 def test_a_queue_at_the_most_run_stays_the_limit_after_it_clears_until_it_runs_more_or_time_passes() -> None:
     """Admission keeping lower classes back is what clears a batch's queue: read as no limit then,
     the next interval's arrivals would refill the batch ahead of critical requests. A queue at the
-    most the engine ran is held QUEUE_HOLD_S after it clears (and shown to engines alike), unless
-    the engine then runs more; a queue below a batch already run is not held."""
+    most the engine ran is held QUEUE_HOLD_S after it clears (and shown to engines alike, whose cap
+    then stays: `test_a_kinds_cap_stays_after_its_queues_clear_...`), unless the engine then runs
+    more; a queue below a batch already run is not held."""
     b = BatchLimits()
     b.take("e", Snap(8, 3, 0.5))  # a cold engine's first queue, at the most it ran
     b.take("e", Snap(8, 0, 1.0))  # cleared: admission held requests back
@@ -90,7 +91,9 @@ def test_a_queue_at_the_most_run_stays_the_limit_after_it_clears_until_it_runs_m
     d.take_all(
         {"a": Snap(8, 0, later, **kind), "b": Snap(7, 0, later, **kind), "c": Snap(2, 0, later, **kind)}
     )
-    assert d.limit("c") is None
+    assert d.limit("c") == 8  # the holds are over; the kind's cap, shown twice, stays
+    d.take_all({"a": Snap(9, 0, later + 0.5, **kind), "b": Snap(7, 0, later + 0.5, **kind)})
+    assert d.limit("c") is None  # until an engine of the kind runs more
 
 
 def test_a_queue_at_a_smaller_batch_than_one_already_run_is_no_sequence_cap() -> None:
@@ -222,6 +225,91 @@ def test_two_engines_alike_queueing_at_their_most_at_one_size_show_a_cap_at_once
     d = BatchLimits()
     d.take_all({"a": Snap(8, 1, 1.0, **kind), "b": Snap(6, 3, 1.0, **kind), "c": Snap(2, 0, 1.0, **kind)})
     assert d.limit("c", shared=True) is None and d.limit("c") is None
+
+
+def _kind(t: float, **engines: tuple[int, int]) -> dict[str, Snap]:
+    return {name: Snap(*rw, t, kv_blocks_total=600) for name, rw in engines.items()}
+
+
+def _cap_shown_twice(b: BatchLimits) -> float:
+    """Engines alike show a cap of 8 two snapshots running (a and b queue at their most, then c and d
+    while a and b are held), none of them twice itself: the kind's cap, no engine's own."""
+    b.take_all(_kind(1.0, a=(8, 2), b=(8, 1), c=(3, 0), d=(3, 0), e=(2, 0)))
+    b.take_all(_kind(1.5, a=(7, 0), b=(7, 0), c=(8, 1), d=(8, 2), e=(2, 0)))
+    return 1.5
+
+
+def test_a_kinds_cap_stays_after_its_queues_clear_until_an_engine_of_the_kind_runs_more() -> None:
+    """Admission keeping lower classes below a cap is what clears the queues that showed it: were
+    the cap to go with them (and each engine's hold after QUEUE_HOLD_S), the next second's arrivals
+    would refill every batch ahead of critical requests. Shown two snapshots running (queues, or
+    their holds, at that size), it stays; shown once, as engines under overload queue at sizes a
+    token budget moves, it goes."""
+    b = BatchLimits()
+    t = _cap_shown_twice(b)
+    end = t + 2 * QUEUE_HOLD_S
+    while t < end:  # well below the cap, none waiting: nothing to probe
+        t += 0.5
+        b.take_all(_kind(t, a=(5, 0), b=(5, 0), c=(5, 0), d=(5, 0), e=(5, 0)))
+    for name in "abcde":
+        assert b.limit(name) == 8 and b.limit(name, cap=True) == 8 and b.limit(name, shared=True) == 8
+    assert b.limit("e", published=True) is None  # learnt: still not a prediction's batch wait
+    b.take_all(_kind(t + 0.5, a=(5, 0), b=(9, 0), c=(5, 0), d=(5, 0), e=(5, 0)))  # b ran 9 at once
+    assert all(b.limit(n) is None and b.limit(n, shared=True) is None for n in "abcde")
+    once = BatchLimits()
+    once.take_all(_kind(1.0, a=(8, 2), b=(8, 1), e=(2, 0)))
+    assert once.limit("e") == 8  # shown: used at once
+    once.take_all(_kind(1.5, a=(6, 3), b=(7, 2), e=(2, 0)))  # queues at other sizes
+    assert once.limit("e") is None
+
+
+def test_a_kept_kind_cap_is_probed_on_one_engine_at_a_time() -> None:
+    """A kept cap may be a token budget's, or the engines restarted with a larger one: once an
+    engine of the kind has been full (at the place below the cap kept for critical requests, none
+    waiting) for KIND_PROBE_AFTER_S, one engine is read two places above it (so that lower classes
+    can fill one past the cap). Queued there, the cap stands and the next probe waits twice as long;
+    run there, the cap goes."""
+    b = BatchLimits()
+    t = _cap_shown_twice(b)
+    full = {n: (7, 0) for n in "abcde"}
+
+    def full_until_probed() -> float:
+        nonlocal t
+        start = t
+        while all(b.limit(n) == 8 for n in "abcde"):
+            t += 0.5
+            assert t - start < 200, "never probed"
+            b.take_all(_kind(t, **full))
+        return t - start
+
+    first = full_until_probed()
+    # (The clock starts once the holds of the queues that showed it are over.)
+    assert KIND_PROBE_AFTER_S <= first <= KIND_PROBE_AFTER_S + QUEUE_HOLD_S + 1.0
+    probed = [n for n in "abcde" if b.limit(n) == 10]
+    assert len(probed) == 1 and all(b.limit(n) == 8 for n in "abcde" if n not in probed)
+    t += 0.5
+    b.take_all(_kind(t, **{**full, probed[0]: (8, 1)}))  # the ninth waited: a cap
+    assert all(b.limit(n) == 8 for n in "abcde")
+    assert full_until_probed() >= 2 * KIND_PROBE_AFTER_S
+    probed = [n for n in "abcde" if b.limit(n) == 10]
+    t += 0.5
+    b.take_all(_kind(t, **{**full, probed[0]: (9, 0)}))  # the ninth ran: no cap of 8
+    assert all(b.limit(n) is None for n in "abcde")
+
+
+def test_a_wrong_kind_cap_goes_within_one_probe_for_a_fleet_without_critical_requests() -> None:
+    """Critical requests go past a kept cap and show it wrong; standard ones stay one place below
+    whatever limit admission reads. Engines that run 256 at once, held at a kept 8, each running
+    every place admission leaves them: the probe finds it wrong within its wait."""
+    b = BatchLimits()
+    t = _cap_shown_twice(b)
+    running = {n: 7 for n in "abcde"}
+    while any(b.limit(n) is not None for n in "abcde"):
+        t += 0.5
+        assert t < 1.5 + QUEUE_HOLD_S + KIND_PROBE_AFTER_S + 2.0, "still held"
+        b.take_all(_kind(t, **{n: (r, 0) for n, r in running.items()}))
+        running = {n: int(b.limit(n) or 21) - 1 for n in "abcde"}
+    assert all(b.limit(n, cap=True) is None and b.limit(n, shared=True) is None for n in "abcde")
 
 
 def test_critical_requests_leave_an_engine_whose_shared_cap_makes_them_wait() -> None:

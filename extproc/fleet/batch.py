@@ -16,7 +16,10 @@ that is the most the engines ever ran, snapshot after snapshot, or the size at w
 alike (one deployment's replicas) queue at their most (`limit(shared=True)`), each with room in the
 KV cache for one more request of the mean size there. One engine's one queue is not a cap: a token
 budget or a burst of arrivals shows one at any size; nor is a queue with no room in the cache, which
-an engine holding a few long prompts shows well below KV_FULL."""
+an engine holding a few long prompts shows well below KV_FULL. A kind's cap stays after the queues
+that showed it clear (admission holding lower classes below it is what clears them: dropped, the
+batches refilled ahead of critical requests) until an engine of the kind runs more, as a probe lets
+one engine do after KIND_PROBE_AFTER_S full with none waiting."""
 
 from __future__ import annotations
 
@@ -32,6 +35,12 @@ STEADY_QUEUES = 2  # queueing snapshots in a row at one batch size that show a s
 AGREEING_ENGINES = 2  # engines of a kind at one cap (steady or queueing at their most) that show it
 PROBE_BACKOFF_MAX_S = 48.0  # a probe that failed (a queue at the old limit) doubles the wait to this
 QUEUE_HOLD_S = 3.0  # a queue at the most run stays admission's limit this long after it clears
+KIND_CAP_RUNS = 2  # snapshots in a row showing a kind's cap before it stays once no queue shows it
+KIND_FULL = 1.0  # an engine within this of its kind's cap, none waiting, is full (the critical place kept)
+KIND_PROBE_AFTER_S = 10.0  # full this long at a kept cap: one engine of the kind is given a place more
+KIND_PROBE_PLACES = 2.0  # the probe's places: the one admission keeps for critical requests, and one
+KIND_PROBE_BACKOFF_MAX_S = 80.0  # a probe that queued at the cap doubles the wait, up to this
+KIND_PROBE_WINDOW_S = 5.0  # a probe that neither ran past the cap nor queued in this long ends
 MAX_TRACKED_UPSTREAMS = 4096
 
 
@@ -89,6 +98,20 @@ class _Batch:
     cache_queue: bool = False  # the last queue was the KV cache's: no room for one more request there
     held: float | None = None  # the running count of the last queue at the most run (QUEUE_HOLD_S)
     held_at: float = 0.0  # when that queue was last seen
+    running: float = 0.0  # at the last snapshot
+    waiting: bool = False  # requests waited at the last snapshot
+
+
+@dataclass(slots=True, eq=False)
+class _KindCap:
+    """The sequence cap engines of one kind showed (`BatchLimits._share`) and its probe."""
+
+    cap: float
+    runs: int = 1  # snapshots in a row that showed it
+    full_since: float | None = None  # since when an engine of the kind is full with none waiting
+    probe_after: float = KIND_PROBE_AFTER_S
+    probing: _Batch | None = None  # the engine given one place more
+    probe_since: float = 0.0
 
 
 class BatchLimits:
@@ -99,7 +122,7 @@ class BatchLimits:
 
     def __init__(self) -> None:
         self._seen: dict[str, _Batch] = {}
-        self._shown: dict[Kind, float] = {}  # the sequence cap engines of a kind showed (`_share`)
+        self._shown: dict[Kind, _KindCap] = {}  # the sequence cap engines of a kind showed (`_share`)
 
     def limit(
         self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
@@ -138,11 +161,14 @@ class BatchLimits:
         return seen.held if seen.held is not None else self._sibling(seen)
 
     def _sibling(self, seen: _Batch) -> float | None:
-        """The sequence cap engines of its kind showed, unless it ran more itself (`_share`)."""
+        """The sequence cap engines of its kind showed, unless it ran more itself (`_share`); more for
+        the engine the kind's probe is on."""
         if seen.kind is None or seen.cap is not None:
             return None
         shown = self._shown.get(seen.kind)
-        return shown if shown is not None and seen.most <= shown else None
+        if shown is None or seen.most > shown.cap:
+            return None
+        return shown.cap + KIND_PROBE_PLACES if shown.probing is seen else shown.cap
 
     def turnover(self, upstream_id: str) -> float | None:
         seen = self._seen.get(upstream_id)
@@ -165,7 +191,7 @@ class BatchLimits:
         show its cap, and a queue ahead of a cap costs seconds a request. One engine's alone is not
         shared: on engines bound by their KV cache or token budget such a queue is often a prompt
         mix's (notebook/benchmarks-history.md, "Caps shared by engines alike"). The largest shown,
-        and only for an engine that never ran more."""
+        and only for an engine that never ran more. Kept once no queue shows it (`_keep`)."""
         shown: dict[Kind, float] = {}
         queues: dict[tuple[Kind, float], int] = {}
         seen_all = self._seen
@@ -181,7 +207,59 @@ class BatchLimits:
                 n = queues[(seen.kind, size)] = queues.get((seen.kind, size), 0) + 1
                 if n >= AGREEING_ENGINES:
                     shown[seen.kind] = max(shown.get(seen.kind, 0.0), size)
-        self._shown = shown
+        self._keep(shown, loads)
+
+    def _keep(self, shown: dict[Kind, float], loads: Mapping[str, BatchReport]) -> None:
+        """Each kind's cap from what its engines show now (`shown`), or the one they showed
+        KIND_CAP_RUNS snapshots running before: its queues cleared because admission keeps lower
+        classes below it (dropped, the next second's arrivals refilled every batch ahead of critical
+        requests: notebook/benchmarks-history.md, "A kind's cap kept"). One shown once is a burst's
+        or an overload's (a token budget holding the batches at one size) and goes with it. Kept
+        until an engine of the kind runs more; and since a cap kept may be a budget's, or the
+        engines restarted with a larger one, an engine full for `probe_after` with none waiting is
+        read KIND_PROBE_PLACES above it (admission still keeps one place for critical requests): it
+        runs past the cap (the cap goes) or queues (the next probe waits twice as long)."""
+        kinds: dict[Kind, list[_Batch]] = {}
+        now = 0.0
+        for upstream_id in loads:
+            seen = self._seen.get(upstream_id)
+            if seen is not None and seen.kind is not None:
+                kinds.setdefault(seen.kind, []).append(seen)
+                now = max(now, seen.published_at)
+        kept: dict[Kind, _KindCap] = {}
+        for kind, engines in kinds.items():
+            old = self._shown.get(kind)
+            size = shown.get(kind)
+            if size is not None:  # shown now
+                if old is None or old.cap != size:
+                    old = _KindCap(size)
+                else:
+                    old.runs += 1
+                    if old.probing is not None:  # the probed engine queued at the cap with another
+                        old.probing = None
+                        old.probe_after = min(2.0 * old.probe_after, KIND_PROBE_BACKOFF_MAX_S)
+                old.full_since = None
+                kept[kind] = old
+                continue
+            if old is None or old.runs < KIND_CAP_RUNS or any(e.most > old.cap for e in engines):
+                continue
+            kept[kind] = old
+            probe = old.probing
+            if probe is not None:
+                if not any(e is probe for e in engines) or now - old.probe_since >= KIND_PROBE_WINDOW_S:
+                    old.probing, old.full_since = None, None  # no verdict: the place was not taken
+                elif probe.waiting:  # it queued at the cap: a cap it is
+                    old.probing, old.full_since = None, None
+                    old.probe_after = min(2.0 * old.probe_after, KIND_PROBE_BACKOFF_MAX_S)
+                continue
+            full = [e for e in engines if not e.waiting and e.running >= old.cap - KIND_FULL]
+            if not full:
+                old.full_since = None
+            elif old.full_since is None:
+                old.full_since = now
+            elif now - old.full_since >= old.probe_after:
+                old.probing, old.probe_since = full[0], now
+        self._shown = kept
 
     def take(self, upstream_id: str, load: BatchReport) -> None:
         """Take in `load`'s snapshot unless already taken."""
@@ -223,6 +301,7 @@ class BatchLimits:
     def _limit(seen: _Batch, running: float, waiting: int, kv_usage: float, at: float) -> None:
         limit = seen.limit
         most = seen.most
+        seen.running, seen.waiting = running, waiting > 0
         seen.most = max(most, running)
         if waiting > 0 and running > 0:
             # Queueing: a limit, confirmed when the KV cache is full or the batch stayed the same
