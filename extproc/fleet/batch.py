@@ -37,8 +37,8 @@ PROBE_BACKOFF_MAX_S = 48.0  # a probe that failed (a queue at the old limit) dou
 QUEUE_HOLD_S = 3.0  # a queue at the most run stays admission's limit this long after it clears
 KIND_CAP_RUNS = 2  # snapshots in a row showing a kind's cap before it stays once no queue shows it
 KIND_FULL = 1.0  # an engine within this of its kind's cap, none waiting, is full (the critical place kept)
-KIND_PROBE_AFTER_S = 10.0  # full this long at a kept cap: one engine of the kind is given a place more
-KIND_PROBE_PLACES = 2.0  # the probe's places: the one admission keeps for critical requests, and one
+KIND_PROBE_AFTER_S = 10.0  # full this long at a kept cap: one engine of the kind is read above it
+KIND_PROBE_PLACES = 2.0  # how far above: the place admission keeps for critical requests, and one
 KIND_PROBE_BACKOFF_MAX_S = 80.0  # a probe that queued at the cap doubles the wait, up to this
 KIND_PROBE_WINDOW_S = 5.0  # a probe that neither ran past the cap nor queued in this long ends
 MAX_TRACKED_UPSTREAMS = 4096
@@ -110,7 +110,7 @@ class _KindCap:
     runs: int = 1  # snapshots in a row that showed it
     full_since: float | None = None  # since when an engine of the kind is full with none waiting
     probe_after: float = KIND_PROBE_AFTER_S
-    probing: _Batch | None = None  # the engine given one place more
+    probing: _Batch | None = None  # the engine read KIND_PROBE_PLACES above the cap
     probe_since: float = 0.0
 
 
