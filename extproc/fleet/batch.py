@@ -113,6 +113,11 @@ class _KindCap:
     probing: _Batch | None = None  # the engine read KIND_PROBE_PLACES above the cap
     probe_since: float = 0.0
 
+    def probe_failed(self) -> None:
+        """The probed engine queued at the cap: the next probe waits twice as long."""
+        self.probing, self.full_since = None, None
+        self.probe_after = min(2.0 * self.probe_after, KIND_PROBE_BACKOFF_MAX_S)
+
 
 class BatchLimits:
     """Per upstream: the batch limit and the turnover (see the module docstring); None while unknown
@@ -194,11 +199,15 @@ class BatchLimits:
         and only for an engine that never ran more. Kept once no queue shows it (`_keep`)."""
         shown: dict[Kind, float] = {}
         queues: dict[tuple[Kind, float], int] = {}
+        kinds: dict[Kind, list[_Batch]] = {}
+        now = 0.0
         seen_all = self._seen
         for upstream_id in loads:
             seen = seen_all.get(upstream_id)
             if seen is None or seen.kind is None:
                 continue
+            kinds.setdefault(seen.kind, []).append(seen)
+            now = max(now, seen.published_at)
             size = seen.steady
             queued = seen.queued_at if seen.queued_at is not None else seen.held
             if size is None and queued is not None and queued >= seen.most and not seen.cache_queue:
@@ -207,9 +216,9 @@ class BatchLimits:
                 n = queues[(seen.kind, size)] = queues.get((seen.kind, size), 0) + 1
                 if n >= AGREEING_ENGINES:
                     shown[seen.kind] = max(shown.get(seen.kind, 0.0), size)
-        self._keep(shown, loads)
+        self._keep(shown, kinds, now)
 
-    def _keep(self, shown: dict[Kind, float], loads: Mapping[str, BatchReport]) -> None:
+    def _keep(self, shown: dict[Kind, float], kinds: dict[Kind, list[_Batch]], now: float) -> None:
         """Each kind's cap from what its engines show now (`shown`), or the one they showed
         KIND_CAP_RUNS snapshots running before: its queues cleared because admission keeps lower
         classes below it (dropped, the next second's arrivals refilled every batch ahead of critical
@@ -218,14 +227,8 @@ class BatchLimits:
         until an engine of the kind runs more; and since a cap kept may be a budget's, or the
         engines restarted with a larger one, an engine full for `probe_after` with none waiting is
         read KIND_PROBE_PLACES above it (admission still keeps one place for critical requests): it
-        runs past the cap (the cap goes) or queues (the next probe waits twice as long)."""
-        kinds: dict[Kind, list[_Batch]] = {}
-        now = 0.0
-        for upstream_id in loads:
-            seen = self._seen.get(upstream_id)
-            if seen is not None and seen.kind is not None:
-                kinds.setdefault(seen.kind, []).append(seen)
-                now = max(now, seen.published_at)
+        runs past the cap (the cap goes) or queues (the next probe waits twice as long). `kinds`:
+        this round's engines by kind; `now`: its newest snapshot's time."""
         kept: dict[Kind, _KindCap] = {}
         for kind, engines in kinds.items():
             old = self._shown.get(kind)
@@ -236,8 +239,7 @@ class BatchLimits:
                 else:
                     old.runs += 1
                     if old.probing is not None:  # the probed engine queued at the cap with another
-                        old.probing = None
-                        old.probe_after = min(2.0 * old.probe_after, KIND_PROBE_BACKOFF_MAX_S)
+                        old.probe_failed()
                 old.full_since = None
                 kept[kind] = old
                 continue
@@ -249,8 +251,7 @@ class BatchLimits:
                 if not any(e is probe for e in engines) or now - old.probe_since >= KIND_PROBE_WINDOW_S:
                     old.probing, old.full_since = None, None  # no verdict: the place was not taken
                 elif probe.waiting:  # it queued at the cap: a cap it is
-                    old.probing, old.full_since = None, None
-                    old.probe_after = min(2.0 * old.probe_after, KIND_PROBE_BACKOFF_MAX_S)
+                    old.probe_failed()
                 continue
             full = [e for e in engines if not e.waiting and e.running >= old.cap - KIND_FULL]
             if not full:
