@@ -13,7 +13,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from extproc.config import config_from_dict
 from extproc.lifecycle import RequestLifecycle
-from extproc.server.completions import PendingReleases
+from extproc.server.completions import CANCELLED_ROUTE_GRACE_S, PendingReleases
 from extproc.server.stream import ExternalProcessor, Phase, RequestStream
 from extproc.telemetry import Metrics
 
@@ -311,14 +311,48 @@ async def test_servicer_without_tickets_releases_when_the_client_goes_away() -> 
     assert released(lc, "stream_end") == 1
 
 
-async def test_servicer_cancelled_while_replying_releases_the_ticket_at_once() -> None:
+async def test_servicer_cancelled_before_the_routes_last_reply_releases_the_ticket_at_once() -> None:
+    """FULL_DUPLEX_STREAMED routes with two replies (headers, then the body Envoy kept no copy of): a
+    call cancelled while the first is written never gave Envoy a request it could send on."""
     lc = lifecycle()
     pending = PendingReleases(lc, 60.0)
-    ctx = FakeContext([headers_msg(), body_msg(CHAT)], fail_write=asyncio.CancelledError(), fail_at=1)
+    duplex = headers_msg(mode=ProcessingMode.FULL_DUPLEX_STREAMED)
+    ctx = FakeContext([duplex, body_msg(CHAT)], fail_write=asyncio.CancelledError(), fail_at=0)
     with pytest.raises(asyncio.CancelledError):
         await ExternalProcessor(lc, pending).Process(None, ctx)  # type: ignore[arg-type]
+    assert ctx.written == []
     assert len(pending) == 0 and lc.inflight.total() == 0
     assert released(lc, "stream_cancel") == 1
+
+
+@pytest.mark.parametrize("mode", [ProcessingMode.BUFFERED, ProcessingMode.FULL_DUPLEX_STREAMED])
+async def test_servicer_cancelled_while_writing_the_routes_last_reply_waits_for_the_access_log(
+    mode: int,
+) -> None:
+    """Envoy resets the call once it has the last reply it needs, so a service slow to end the call
+    sees a cancelled write of a reply Envoy applied: the lease stays until the access log reports
+    the request, or until a short grace has passed (the reply never arrived)."""
+    now = [100.0]
+    for entry_comes in (True, False):
+        lc = lifecycle()
+        pending = PendingReleases(lc, 60.0, clock=lambda: now[0])
+        # The second write: BUFFERED's route (after "continue"), FULL_DUPLEX's body (after the route).
+        ctx = FakeContext(
+            [headers_msg(mode=mode), body_msg(CHAT)], fail_write=asyncio.CancelledError(), fail_at=1
+        )
+        with pytest.raises(asyncio.CancelledError):
+            await ExternalProcessor(lc, pending).Process(None, ctx)  # type: ignore[arg-type]
+        assert len(pending) == 1 and lc.inflight.total() == 1
+        [ticket] = pending._pending
+        pending.sweep()
+        assert lc.inflight.total() == 1  # not yet
+        if entry_comes:
+            assert pending.complete(ticket, "access_log") == "released"
+            assert released(lc, "access_log") == 1
+        now[0] += CANCELLED_ROUTE_GRACE_S
+        pending.sweep()
+        assert len(pending) == 0 and lc.inflight.total() == 0
+        assert released(lc, "stream_cancel") == (0 if entry_comes else 1)
 
 
 async def test_servicer_ends_quietly_when_envoy_closes_before_the_body() -> None:

@@ -18,7 +18,7 @@ import logging
 import os
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
@@ -40,6 +40,11 @@ MAX_FIRST_BYTE_S = 3600.0  # later than this after the start: not this request's
 # Routed requests older than this with no access-log stream ever seen: Envoy is not configured to
 # report to us (warned once; the leases would otherwise expire only after lease_timeout_s).
 NO_ACCESS_LOG_WARN_S = 30.0
+# A routing stream cancelled while its last reply was being written: the reply may have reached
+# Envoy (FULL_DUPLEX_STREAMED: Envoy resets the stream once it has the body reply, and a service slow
+# to end the call sees that reset as a cancelled write) or not (the client went away). The lease
+# waits this long for the ticket's access-log entry before it is released.
+CANCELLED_ROUTE_GRACE_S = 10.0
 
 
 @dataclass(slots=True)
@@ -59,6 +64,7 @@ class PendingReleases:
 
     __slots__ = (
         "_clock",
+        "_doubtful",
         "_pending",
         "_warned",
         "access_log_seen",
@@ -80,6 +86,7 @@ class PendingReleases:
         self.replica = replica or os.urandom(4).hex()
         self._clock = clock
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._doubtful: deque[tuple[float, str]] = deque()  # (release at, ticket), oldest first
         self.access_log_seen = False
         self._warned = False
 
@@ -138,9 +145,20 @@ class PendingReleases:
         """Forget a ticket whose request was released another way (rejected, stream cancelled)."""
         self._pending.pop(ticket, None)
 
+    def doubt(self, ticket: str, grace_s: float = CANCELLED_ROUTE_GRACE_S) -> None:
+        """The stream was cancelled while the route's last reply was being written: its access-log
+        entry releases it if the route was applied, else the sweep does after `grace_s`."""
+        if ticket in self._pending:
+            self._doubtful.append((self._clock() + grace_s, ticket))
+
     def sweep(self) -> int:
         """Release tickets older than the timeout (oldest first: insertion order is routing order)."""
-        deadline = self._clock() - self.timeout_s
+        now = self._clock()
+        while self._doubtful and self._doubtful[0][0] <= now:
+            _, ticket = self._doubtful.popleft()
+            if (entry := self._pending.pop(ticket, None)) is not None:
+                self.lifecycle.finish(entry.decision, "stream_cancel")
+        deadline = now - self.timeout_s
         expired = 0
         while self._pending:
             ticket, entry = next(iter(self._pending.items()))

@@ -9,7 +9,9 @@ Releasing the in-flight lease: with `release_on: stream_end` the stream stays op
 phases arrive and the lease is released at the end of the response (response trailers / last body
 chunk) or when the stream closes, so the response depends on this stream. With `release_on:
 access_log` the routed request carries a ticket, the stream ends right after routing, and Envoy's
-access log releases it (server/completions.py); a stream cancelled after routing releases at once.
+access log releases it (server/completions.py); a stream cancelled after routing releases at once,
+or, cancelled while the route's last reply was being written (it may have arrived), when the
+access log reports it or a short grace has passed.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class RequestStream:
         "profile",
         "response_body_mode",
         "route",
+        "route_sent",
         "subset",
         "ticket",
     )
@@ -81,6 +84,7 @@ class RequestStream:
         self.route = route  # the route's priority class / cap / TTFT objective (route metadata)
         self.pending = pending
         self.ticket: str | None = None
+        self.route_sent = False  # the route's last reply was handed to gRPC
         self.phase = Phase.HEADERS
         self.body_mode: int = ProcessingMode.BUFFERED
         self.response_body_mode: int = ProcessingMode.NONE
@@ -117,9 +121,11 @@ class RequestStream:
         if self.decision is not None:
             if self.ticket is None:
                 self.lifecycle.finish(self.decision, "stream_end")
+            elif cancelled and self.route_sent and self.pending is not None:
+                self.pending.doubt(self.ticket)
             elif cancelled:
-                # Envoy may never have applied the route (so no access-log entry will carry the
-                # ticket): release now; a late entry finds nothing to release.
+                # Envoy never had the route (so no access-log entry will carry the ticket): release
+                # now; a late entry finds nothing to release.
                 self.pending_done()
                 self.lifecycle.finish(self.decision, "stream_cancel")
         self.phase = Phase.DONE
@@ -307,7 +313,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         cancelled = True  # until the loop ends on its own: a cancellation or error skips the flag
         try:
             while (msg := await context.read()) is not grpc.aio.EOF:
-                for reply in await stream.on_message(msg):
+                replies = await stream.on_message(msg)
+                for i, reply in enumerate(replies, 1):
+                    if i == len(replies) and stream.released_by_access_log:
+                        stream.route_sent = True
                     await context.write(reply)
                 if stream.phase is Phase.DONE or stream.released_by_access_log:
                     # Routed with a ticket: end the call now (gRPC OK). Envoy goes on without this

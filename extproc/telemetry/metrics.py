@@ -177,8 +177,9 @@ class Metrics:
             "llm_extproc_releases",
             "In-flight releases by trigger (response_end: the response finished; stream_end: the "
             "ext_proc stream closed first, e.g. client disconnect; access_log: Envoy's access log "
-            "reported the request ended; stream_cancel: the routing stream was reset; expired: no "
-            "access-log entry within lease_timeout_s).",
+            "reported the request ended; stream_cancel: the routing stream was reset before the route "
+            "reached Envoy, or its entry did not come within 10 s of a reset during the route's "
+            "write; expired: no access-log entry within lease_timeout_s).",
             ["trigger"],
             registry=self.registry,
         )
