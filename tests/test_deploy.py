@@ -607,6 +607,38 @@ def test_envoy_gateway_mtls_overlay_is_optional_and_matches_the_service() -> Non
     assert ref["kind"] == "Secret" and "namespace" not in ref, "a Secret next to the EnvoyProxy"
 
 
+def observed_ttft_policy() -> dict[str, Any]:
+    """deploy/envoy-gateway/observed-ttft's EnvoyExtensionPolicy: deploy/envoy-gateway's with the
+    overlay's patch merged as kustomize merges a custom resource (a JSON merge patch; `lua` is new)."""
+    policy = copy.deepcopy(one("envoy-gateway", "EnvoyExtensionPolicy", "llm-extproc"))
+    patch = one("envoy-gateway/observed-ttft", "EnvoyExtensionPolicy", "llm-extproc")
+    assert patch["metadata"] == policy["metadata"], "the patch names the base policy"
+    assert patch["spec"].keys() == {"lua"} and "lua" not in policy["spec"]
+    policy["spec"]["lua"] = copy.deepcopy(patch["spec"]["lua"])
+    return policy
+
+
+def test_envoy_gateway_observed_ttft_overlay_adds_the_shipped_first_byte_script() -> None:
+    """deploy/envoy-gateway/observed-ttft: the base resources, the ext_proc policy with envoy.yaml's
+    first-byte Lua script added (opt-in: it needs Lua extensions on in Envoy Gateway)."""
+    folder = DEPLOY / "envoy-gateway" / "observed-ttft"
+    kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert kust["resources"] == [".."]
+    assert [p["path"] for p in kust["patches"]] == ["first-byte.yaml"]
+    assert {p.name for p in folder.iterdir()} == {"kustomization.yaml", "first-byte.yaml"}
+    parent = yaml.safe_load((DEPLOY / "envoy-gateway" / "kustomization.yaml").read_text())
+    assert not any("observed-ttft" in r for r in parent["resources"]), "the overlay is opt-in"
+    policy = observed_ttft_policy()
+    assert schema_errors(policy) == []
+    (lua,) = policy["spec"]["lua"]
+    assert lua["type"] == "Inline"
+    assert {"inline_string": lua["inline"]} == shipped()["first_byte"]["typed_config"]["source_codes"][
+        "first-byte"
+    ]
+    lua["type"] = "File"
+    assert schema_errors(policy), "the vendored lua schema checks the source type"
+
+
 def test_inference_pool_picks_through_the_llm_extproc_epp() -> None:
     pool = one("inference-extension", "InferencePool", "vllm-llama")
     svc = one("inference-extension", "Service", "llm-extproc-epp")
@@ -881,6 +913,15 @@ def eg_bootstrap(eep: dict[str, Any], patch_policy: dict[str, Any]) -> dict[str,
     }
     hcm = gateway_hcm("httproute/llm/llm/rule/0")
     hcm["http_filters"].insert(0, filter_)
+    for script in eep["spec"].get("lua", []):  # each Lua entry: a filter before the router
+        lua = {
+            "name": "envoy.filters.http.lua",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": script["inline"]},
+            },
+        }
+        hcm["http_filters"].insert(len(hcm["http_filters"]) - 1, lua)
     listeners = {}
     for jp in patch_policy["spec"]["jsonPatches"]:
         assert jp["type"] == "type.googleapis.com/envoy.config.listener.v3.Listener"
@@ -915,6 +956,17 @@ def test_envoy_gateway_policies_are_valid_envoy_config(tmp_path: Path) -> None:
     out = run_envoy(boot, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK" in out.stdout
+
+
+@pytest.mark.integration
+def test_envoy_gateway_observed_ttft_policy_is_valid_envoy_config(tmp_path: Path) -> None:
+    """The overlay's policy as Envoy Gateway programs it (the Lua filter before the router) loads in
+    Envoy; a script that does not compile does not."""
+    policy = observed_ttft_policy()
+    out = run_envoy(eg_bootstrap(policy, one("envoy-gateway", "EnvoyPatchPolicy")), tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    policy["spec"]["lua"][0]["inline"] = "function envoy_on_response(handle\n"
+    assert run_envoy(eg_bootstrap(policy, one("envoy-gateway", "EnvoyPatchPolicy")), tmp_path).returncode != 0
 
 
 @pytest.mark.integration
