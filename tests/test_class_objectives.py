@@ -11,7 +11,13 @@ from builders import FixedBacklog, IdleState
 
 from extproc.config import ConfigError
 from extproc.fleet import Upstream
-from extproc.fleet.batch import KIND_PROBE_AFTER_S, PROBE_AFTER_S, QUEUE_HOLD_S, BatchLimits
+from extproc.fleet.batch import (
+    KIND_MOST_STABLE_S,
+    KIND_PROBE_AFTER_S,
+    PROBE_AFTER_S,
+    QUEUE_HOLD_S,
+    BatchLimits,
+)
 from extproc.lifecycle.admission import Admission, Verdict
 from extproc.openai import InferenceRequest, RequestError
 from extproc.scheduling.ttft_predictor import slot_wait
@@ -310,6 +316,44 @@ def test_a_wrong_kind_cap_goes_within_one_probe_for_a_fleet_without_critical_req
         b.take_all(_kind(t, **{n: (r, 0) for n, r in running.items()}))
         running = {n: int(b.limit(n) or 21) - 1 for n in "abcde"}
     assert all(b.limit(n, cap=True) is None and b.limit(n, shared=True) is None for n in "abcde")
+
+
+def test_engines_alike_queueing_one_at_a_time_at_the_most_any_ran_show_a_cap() -> None:
+    """At half load a prefix holder queues alone, one burst at a time, so no two queues of a kind
+    overlap: two engines whose last queues were at the most any engine of the kind ran, that most
+    unchanged for KIND_MOST_STABLE_S, show the kind's cap (kept, as if shown twice, until one runs
+    more). Queues at sizes that grow with the load (a token budget's) show none."""
+    b = BatchLimits()
+    quiet = {n: (4, 0) for n in "abcd"}
+    t = 1.0
+    b.take_all(_kind(t, **{**quiet, "a": (8, 2)}))  # a queues at 8, alone
+    t = 1.0 + QUEUE_HOLD_S + 2.0
+    b.take_all(_kind(t, **quiet))  # its hold is over
+    t += 0.5
+    b.take_all(_kind(t, **{**quiet, "b": (8, 1)}))  # then b, alone
+    assert b.limit("d", shared=True) is None  # 8 has been the most for less than KIND_MOST_STABLE_S
+    while t + 0.5 < 1.0 + KIND_MOST_STABLE_S:
+        t += 0.5
+        b.take_all(_kind(t, **quiet))
+        assert b.limit("d", shared=True) is None
+    t += 0.5  # 8 the most for KIND_MOST_STABLE_S
+    b.take_all(_kind(t, **quiet))
+    assert all(b.limit(n, shared=True) == 8 and b.limit(n, cap=True) == 8 for n in "abcd")
+    assert b.limit("d", published=True) is None  # learnt: still not a prediction's batch wait
+    t += 0.5
+    b.take_all(_kind(t, **{**quiet, "c": (9, 0)}))  # c ran 9 at once: no cap of 8
+    assert all(b.limit(n, shared=True) is None for n in "abcd")
+    for _ in range(2 * int(KIND_MOST_STABLE_S)):
+        t += 0.5
+        b.take_all(_kind(t, **quiet))
+        assert all(b.limit(n, shared=True) is None for n in "abcd")  # the queues were below 9
+    grows = BatchLimits()
+    for t, queue in ((1.0, {"a": (20, 3)}), (6.0, {"b": (26, 2)}), (11.0, {"a": (26, 1)}), (12.0, {})):
+        grows.take_all(_kind(t, **{**quiet, **queue}))
+    assert grows.limit("d", shared=True) is None  # 26 the most since 6.0: not yet
+    for n in range(2 * int(KIND_MOST_STABLE_S)):
+        grows.take_all(_kind(12.5 + 0.5 * n, **quiet))
+    assert grows.limit("d", shared=True) == 26  # a and b's last queues were both at 26, since 6.0
 
 
 def test_critical_requests_leave_an_engine_whose_shared_cap_makes_them_wait() -> None:

@@ -14,7 +14,8 @@ any queue shows them), lowered where the KV cache fills first. A limit is a sequ
 (`limit(cap=True)`) only where it does not move with the prompts: published, or queues at one size
 that is the most the engines ever ran, snapshot after snapshot, or the size at which two engines
 alike (one deployment's replicas) queue at their most (`limit(shared=True)`), each with room in the
-KV cache for one more request of the mean size there. One engine's one queue is not a cap: a token
+KV cache for one more request of the mean size there: at once, or one at a time at the most any of
+them ran, unchanged for KIND_MOST_STABLE_S. One engine's one queue is not a cap: a token
 budget or a burst of arrivals shows one at any size; nor is a queue with no room in the cache, which
 an engine holding a few long prompts shows well below KV_FULL. A kind's cap stays after the queues
 that showed it clear (admission holding lower classes below it is what clears them: dropped, the
@@ -41,6 +42,7 @@ KIND_PROBE_AFTER_S = 10.0  # full this long at a kept cap: one engine of the kin
 KIND_PROBE_PLACES = 2.0  # how far above: the place admission keeps for critical requests, and one
 KIND_PROBE_BACKOFF_MAX_S = 80.0  # a probe that queued at the cap doubles the wait, up to this
 KIND_PROBE_WINDOW_S = 5.0  # a probe that neither ran past the cap nor queued in this long ends
+KIND_MOST_STABLE_S = 10.0  # the most any engine of a kind ran, unchanged this long: queues at it show a cap
 MAX_TRACKED_UPSTREAMS = 4096
 
 
@@ -100,6 +102,8 @@ class _Batch:
     held_at: float = 0.0  # when that queue was last seen
     running: float = 0.0  # at the last snapshot
     waiting: bool = False  # requests waited at the last snapshot
+    top_queue: float | None = None  # the batch of its last queue at the most it ran, with cache room
+    # (cleared once it runs more with none waiting)
 
 
 @dataclass(slots=True, eq=False)
@@ -123,11 +127,12 @@ class BatchLimits:
     """Per upstream: the batch limit and the turnover (see the module docstring); None while unknown
     (the engines never queued, or publish no first-token counter)."""
 
-    __slots__ = ("_seen", "_shown")
+    __slots__ = ("_most", "_seen", "_shown")
 
     def __init__(self) -> None:
         self._seen: dict[str, _Batch] = {}
         self._shown: dict[Kind, _KindCap] = {}  # the sequence cap engines of a kind showed (`_share`)
+        self._most: dict[Kind, tuple[float, float]] = {}  # per kind: the most any engine ran, since when
 
     def limit(
         self, upstream_id: str, published: bool = False, cap: bool = False, shared: bool = False
@@ -216,14 +221,43 @@ class BatchLimits:
                 n = queues[(seen.kind, size)] = queues.get((seen.kind, size), 0) + 1
                 if n >= AGREEING_ENGINES:
                     shown[seen.kind] = max(shown.get(seen.kind, 0.0), size)
-        self._keep(shown, kinds, now)
+        self._keep(shown, self._queued_at_most(kinds, now), kinds, now)
 
-    def _keep(self, shown: dict[Kind, float], kinds: dict[Kind, list[_Batch]], now: float) -> None:
+    def _queued_at_most(self, kinds: dict[Kind, list[_Batch]], now: float) -> dict[Kind, float]:
+        """Per kind, the most any of its engines ran, where that has not changed for
+        KIND_MOST_STABLE_S and AGREEING_ENGINES of them queued at it (each its last queue at its
+        most, with room in the cache), at any time: engines alike that queue at the most any ran
+        show a sequence cap even when their queues never overlap (at half load a prefix holder
+        queues alone, one burst at a time, and critical requests followed their prefix into its
+        queue: notebook/benchmarks-history.md, "Queues at the most run, one at a time"). The
+        stability leaves out a token budget's queues, at sizes that grow with the load."""
+        old = self._most
+        self._most = found = {}
+        shown: dict[Kind, float] = {}
+        for kind, engines in kinds.items():
+            most = max(e.most for e in engines)
+            before = old.get(kind)
+            since = before[1] if before is not None and before[0] == most else now
+            found[kind] = (most, since)
+            if now - since < KIND_MOST_STABLE_S:
+                continue
+            if sum(e.top_queue == most for e in engines) >= AGREEING_ENGINES:
+                shown[kind] = most
+        return shown
+
+    def _keep(
+        self,
+        shown: dict[Kind, float],
+        queued_at_most: dict[Kind, float],
+        kinds: dict[Kind, list[_Batch]],
+        now: float,
+    ) -> None:
         """Each kind's cap from what its engines show now (`shown`), or the one they showed
         KIND_CAP_RUNS snapshots running before: its queues cleared because admission keeps lower
         classes below it (dropped, the next second's arrivals refilled every batch ahead of critical
         requests: notebook/benchmarks-history.md, "A kind's cap kept"). One shown once is a burst's
-        or an overload's (a token budget holding the batches at one size) and goes with it. Kept
+        or an overload's (a token budget holding the batches at one size) and goes with it; one
+        shown by queues at different times (`queued_at_most`) is kept as if shown twice. Kept
         until an engine of the kind runs more; and since a cap kept may be a budget's, or the
         engines restarted with a larger one, an engine full for `probe_after` with none waiting is
         read KIND_PROBE_PLACES above it (admission still keeps one place for critical requests): it
@@ -243,6 +277,12 @@ class BatchLimits:
                 old.full_since = None
                 kept[kind] = old
                 continue
+            earlier = queued_at_most.get(kind)
+            if earlier is not None:
+                if old is None or old.cap != earlier:
+                    old = _KindCap(earlier, runs=KIND_CAP_RUNS)
+                else:
+                    old.runs = max(old.runs, KIND_CAP_RUNS)
             if old is None or old.runs < KIND_CAP_RUNS or any(e.most > old.cap for e in engines):
                 continue
             kept[kind] = old
@@ -336,12 +376,16 @@ class BatchLimits:
             seen.queue_size = running
             if seen.queue_runs >= STEADY_QUEUES and running >= most and not seen.cache_queue:
                 seen.steady = running
+            if running >= most and not seen.cache_queue:
+                seen.top_queue = running
             return
         seen.queued_at = None
         if seen.held is not None and (running > seen.held or at - seen.held_at >= QUEUE_HOLD_S):
             seen.held = None
         if seen.steady is not None and running > seen.steady:
             seen.steady = None  # it ran more: the queues were not a cap
+        if seen.top_queue is not None and running > seen.top_queue:
+            seen.top_queue = None
         if limit is None:  # not confirmed yet: nothing to raise or probe
             return
         if running > limit or (seen.probed_from is not None and running > seen.probed_from):
