@@ -781,3 +781,28 @@ def test_class_checks_of_a_run_without_a_peer_row() -> None:
     at_2x = class_checks(loads, OURS)["loads"]["2"]
     assert (at_2x["best_peer"], at_2x["best_peer_goodput"]) == ("-", 0.0)
     assert at_2x["critical_p99_ratio"] == pytest.approx(3.0) and at_2x["sheddable_first"]
+
+
+def test_the_class_bench_runs_under_other_objectives_and_rejects_bad_ones() -> None:
+    """`--objectives` (the trade of critical latency for goodput, docs/tuning.md): pairs as a route's
+    `x-llm-objectives` over the shipped admission; a malformed one is a usage error, not a run."""
+    from extproc_lab.discrete_event.class_objectives import SHIPPED_ADMISSION, main, with_objectives
+
+    got = with_objectives(SHIPPED_ADMISSION, "critical=300ms, Standard=best-effort")
+    assert got == {**SHIPPED_ADMISSION, "objectives": {"critical": "300ms", "standard": "best-effort"}}
+    assert admission_settings(got).objectives.critical == objective_value("300ms", "t")
+    assert "objectives" not in SHIPPED_ADMISSION  # not changed in place
+    with pytest.raises(SystemExit):
+        main(["--objectives", "critical=fast", "--loads", "0.5", "--count", "10"])
+    with pytest.raises(SystemExit):
+        main(["--objectives", "critical=1x,critical=2x", "--loads", "0.5", "--count", "10"])
+
+
+def test_the_class_bench_runs_its_own_rows_once() -> None:
+    """`--rows llm-extproc` (no peers, as the notes' commands use it) must not run llm-extproc twice."""
+    from extproc_lab.discrete_event.class_objectives import OURS, Config, rows
+
+    cfg = Config()
+    cfg.references = (OURS, "round-robin")
+    got = rows(cfg)
+    assert got.count(OURS) == 1 and got[-1] == "round-robin" and len(got) == 5

@@ -7,7 +7,8 @@ small (8 sequences, 600 blocks of 16 tokens: a new request waits for a running o
 as the batch is full), 16 tenants with ~1k-token system prompts, every request carrying
 `x-llm-priority` (20 % critical, 50 % standard, 30 % sheddable), open loop. llm-extproc runs the
 **shipped** settings with `admission.enabled: true` (and the bench's clients trusted to ask for
-critical): no bench-tuned thresholds.
+critical): no bench-tuned thresholds. `--objectives critical=300ms` runs them under other class
+objectives (the trade of critical latency for goodput at capacity: docs/tuning.md).
 
 Per cell, capacity is the highest arrival rate at which the best router (llm-extproc without
 admission, the peers, exact-ttft) serves 95 % of the requests within the goodput SLO (TTFT <= 2 s),
@@ -32,7 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from extproc.settings import DEFAULT_PUBLISH_INTERVAL_S
+from extproc.config import ConfigError
+from extproc.settings import DEFAULT_PUBLISH_INTERVAL_S, route_objectives
 from extproc_lab.bench.classes import (
     CELLS,
     CONFIGURED,
@@ -65,6 +67,17 @@ class Config:
     references: tuple[str, ...] = REFERENCES
     publish_interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
     warmup: float = 0.1
+
+
+def with_objectives(admission: dict[str, Any], value: str) -> dict[str, Any]:
+    """`admission` with the class objectives of `value` (`critical=300ms,standard=4x`, checked as a
+    route's `x-llm-objectives`) over its own."""
+    route_objectives(value, "--objectives")
+    own = dict(admission.get("objectives") or {})
+    for item in value.split(","):
+        name, _, objective = item.partition("=")
+        own[name.strip().lower()] = objective.strip()
+    return {**admission, "objectives": own}
 
 
 def workload(cell: ClassCell, cfg: Config, rate: float) -> Workload:
@@ -113,7 +126,8 @@ def capacity(cell: ClassCell, cfg: Config, steps: int = 6) -> tuple[float, str]:
 
 
 def rows(cfg: Config) -> list[str]:
-    return [OURS, CONFIGURED, ENGINE_PRIORITY, NO_ADMISSION, *cfg.references]
+    own = [OURS, CONFIGURED, ENGINE_PRIORITY, NO_ADMISSION]
+    return own + [r for r in cfg.references if r not in own]  # `--rows llm-extproc`: no peers
 
 
 def run_cell(cell: ClassCell, cfg: Config, log: Any = print) -> dict[str, Any]:
@@ -232,6 +246,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--loads", default="0.5,1,1.2,1.6,2,3")
     ap.add_argument("--rows", default="", help="comma-separated references to run (default: all)")
+    ap.add_argument(
+        "--objectives",
+        default="",
+        help="the llm-extproc rows' class objectives, as a route's x-llm-objectives "
+        "(critical=300ms,standard=4x; default: the shipped ones): what critical latency buys goodput",
+    )
     ap.add_argument("--out", default="out/classes")
     args = ap.parse_args(argv)
     cfg = Config(
@@ -242,6 +262,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.rows:
         cfg.references = tuple(r for r in args.rows.split(",") if r)
+    if args.objectives:
+        try:
+            cfg.admission = with_objectives(cfg.admission, args.objectives)
+        except ConfigError as exc:
+            ap.error(str(exc))
     result = run(cfg, Path(args.out))
     print(markdown(result))
     return 0
