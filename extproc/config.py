@@ -32,6 +32,7 @@ from extproc.settings import (
     DEFAULT_SHUTDOWN_GRACE_S,
     ENV_CONFIG,
     ENV_REDIS_PASSWORD,
+    ENV_REDIS_SENTINEL_PASSWORD,
     MAX_SHUTDOWN_ANNOUNCE_S,
     RELEASE_MODES,
     REQUIRED,
@@ -286,7 +287,12 @@ def config_from_dict(
     headers = section(HeaderNames, raw.get("headers"), "config: 'headers'")
     fleet = None
     if raw.get("fleet") is not None:
-        fleet = redis_settings(raw["fleet"], "config: 'fleet'", password_env=ENV_REDIS_PASSWORD)
+        fleet = redis_settings(
+            raw["fleet"],
+            "config: 'fleet'",
+            password_env=ENV_REDIS_PASSWORD,
+            sentinel_password_env=ENV_REDIS_SENTINEL_PASSWORD,
+        )
     tokenizers = None
     if raw.get("tokenizers") is not None:
         try:

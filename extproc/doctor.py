@@ -20,13 +20,21 @@ from typing import Any
 
 import aiohttp
 import yaml
+from redis.asyncio.sentinel import MasterNotFoundError
+from redis.exceptions import AuthenticationError
 
 from extproc.config import ServiceConfig, load_config
 from extproc.fleet import snapshot_pb2 as spb
 from extproc.fleet.redis_feed import redis_client
 from extproc.fleet.snapshots import InstanceState, SnapshotRejected, decode
 from extproc.lifecycle.admission import route_metadata_errors
-from extproc.settings import ENV_REDIS_PASSWORD, PROFILE_METADATA_KEY, RedisSettings, redis_settings
+from extproc.settings import (
+    ENV_REDIS_PASSWORD,
+    ENV_REDIS_SENTINEL_PASSWORD,
+    PROFILE_METADATA_KEY,
+    RedisSettings,
+    redis_settings,
+)
 
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 DEFAULT_EXT_PROC_CLUSTER = "llm-extproc"
@@ -415,7 +423,12 @@ def _redis_settings(config: ServiceConfig, url: str | None) -> RedisSettings | N
     if url is None:
         return config.fleet
     if config.fleet is None:
-        return redis_settings({"url": url}, "--redis", password_env=ENV_REDIS_PASSWORD)
+        return redis_settings(
+            {"url": url},
+            "--redis",
+            password_env=ENV_REDIS_PASSWORD,
+            sentinel_password_env=ENV_REDIS_SENTINEL_PASSWORD,
+        )
     return dataclasses.replace(config.fleet, url=redis_settings({"url": url}, "--redis").url)
 
 
@@ -436,8 +449,8 @@ async def _check_redis(
             Check(
                 "redis",
                 False,
-                f"{shown} unreachable ({type(exc).__name__}: {exc or 'timeout'}): start Redis or fix "
-                "`fleet.url` / --redis",
+                f"{shown} unreachable ({type(exc).__name__}: {_first(str(exc)) or 'timeout'}): "
+                + _redis_hint(exc),
             ),
             Check("snapshots", False, "cannot read them without Redis"),
         ], []
@@ -446,6 +459,36 @@ async def _check_redis(
     out = [Check("redis", True, f"{shown}: PONG, prefix {settings.prefix}")]
     out.extend(_snapshot_checks(states, rejected, config, settings))
     return out, states
+
+
+def _first(text: str, most: int = 300) -> str:
+    """An error's text cut short: Sentinel's names every Sentinel's connection at length."""
+    return text if len(text) <= most else text[:most] + " ..."
+
+
+# In a MasterNotFoundError's text, one per Sentinel that refused (redis-py names each error's class).
+AUTH_FAILED = (
+    "AuthenticationError",
+    "NOAUTH",
+    "WRONGPASS",
+    "must be called with the client already authenticated",
+)
+
+
+def _redis_hint(exc: BaseException) -> str:
+    """What to fix for a Redis that did not answer: a refused password names whose (Sentinel's
+    discovery reports each Sentinel's error inside MasterNotFoundError)."""
+    if isinstance(exc, AuthenticationError) or any(word in str(exc) for word in AUTH_FAILED):
+        if isinstance(exc, MasterNotFoundError):
+            return (
+                "the Sentinels refused the credentials: set `fleet.sentinel_password` (or "
+                f"${ENV_REDIS_SENTINEL_PASSWORD}) and `fleet.sentinel_username` if they use an ACL user"
+            )
+        return (
+            "Redis refused the credentials: fix `fleet.username` / `fleet.password` "
+            f"(or ${ENV_REDIS_PASSWORD})"
+        )
+    return "start Redis or fix `fleet.url` / --redis"
 
 
 async def _read_snapshots(

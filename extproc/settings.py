@@ -177,6 +177,7 @@ def shipped_configs() -> Path:
 # -- service ---------------------------------------------------------------------------------------
 ENV_CONFIG = "LLM_EXTPROC_CONFIG"
 ENV_REDIS_PASSWORD = "LLM_EXTPROC_REDIS_PASSWORD"
+ENV_REDIS_SENTINEL_PASSWORD = "LLM_EXTPROC_REDIS_SENTINEL_PASSWORD"
 # gRPC initial metadata key naming the scheduling profile for a route; set it in envoy.yaml with
 # ExtProcPerRoute.overrides.grpc_initial_metadata.
 PROFILE_METADATA_KEY = "x-llm-profile"
@@ -580,6 +581,10 @@ class RedisSettings:
     sentinels: tuple[str, ...] = setting((), Check("strings", empty=True))  # "host:port" of each
     # Sentinel; needs master_name
     master_name: str | None = setting(None, STRING_OR_NULL)
+    # The Sentinels' own credentials (their `requirepass` / ACL user), apart from the data nodes'
+    # username/password: Helm charts with auth on protect both, often with the same password.
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
     cluster: bool = setting(False, Check("boolean"))
 
     @property
@@ -688,11 +693,14 @@ def redis_topology(settings: RedisSettings, where: str = "redis") -> RedisTopolo
     return RedisTopology("standalone", tls=tls, username=username, password=password)
 
 
-def redis_settings(raw: Any, where: str, password_env: str | None = None) -> RedisSettings:
-    """A validated RedisSettings from a YAML mapping; the password falls back to `password_env`."""
+def redis_settings(
+    raw: Any, where: str, password_env: str | None = None, sentinel_password_env: str | None = None
+) -> RedisSettings:
+    """A validated RedisSettings from a YAML mapping; the password falls back to `password_env`, the
+    Sentinels' to `sentinel_password_env`."""
     raw = mapping(raw, where)
     values: dict[str, Any] = {}
-    for key in ("password", "username"):
+    for key in ("password", "username", "sentinel_password", "sentinel_username"):
         value = raw.get(key)
         if value is not None and not isinstance(value, str):
             # Not echoed (a numeric password is still a password); YAML turns `12345` into a number
@@ -706,9 +714,20 @@ def redis_settings(raw: Any, where: str, password_env: str | None = None) -> Red
     settings = section(RedisSettings, raw, where, **values)
     if settings.sentinels and settings.is_cluster:
         raise ConfigError(f"{where}: choose Sentinel or Cluster, not both")
-    redis_topology(settings, where)
+    topology = redis_topology(settings, where)
+    if topology.kind != "sentinel" and (settings.sentinel_password or settings.sentinel_username):
+        raise ConfigError(
+            f"{where}: sentinel_username / sentinel_password are for Sentinel (redis+sentinel:// or "
+            "'sentinels'); the data nodes' credentials are username / password"
+        )
     if settings.password is None and password_env is not None:
         settings.password = os.environ.get(password_env) or None
+    if (
+        settings.sentinel_password is None
+        and sentinel_password_env is not None
+        and topology.kind == "sentinel"
+    ):
+        settings.sentinel_password = os.environ.get(sentinel_password_env) or None
     return settings
 
 

@@ -15,7 +15,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from gateway_stack import MODEL, Stack, service_config, wait_until
+from redis.asyncio.sentinel import MasterNotFoundError
+from redis.exceptions import AuthenticationError
 
+from extproc.doctor import _redis_hint
 from extproc.fleet.redis_feed import redis_client, redis_pubsub_client, write_and_publish
 from extproc.lifecycle import RequestLifecycle
 from extproc.publishers import InstanceSpec, Publisher, PublisherConfig
@@ -53,6 +56,27 @@ def test_sentinel_url_and_keys() -> None:
     assert s.prefix == "llm-extproc:default"  # one master holds everything: no hash tag needed
     by_keys = redis_settings({"sentinels": ["h1:26379"], "master_name": "m"}, "fleet")
     assert redis_topology(by_keys).nodes == (("h1", 26379),)
+
+
+def test_sentinels_have_their_own_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Sentinels' password and ACL user are apart from the data nodes' (Helm charts with auth
+    on protect both); from the YAML (a quoted string, never echoed) or the environment."""
+    url = "redis+sentinel://:data@h1:26379/m/0"
+    s = redis_settings({"url": url, "sentinel_password": "s3", "sentinel_username": "watch"}, "fleet")
+    assert (s.sentinel_password, s.sentinel_username, redis_topology(s).password) == ("s3", "watch", "data")
+    with pytest.raises(ConfigError, match="quote it") as err:
+        redis_settings({"url": url, "sentinel_password": 4711}, "fleet")
+    assert "4711" not in str(err.value)
+    with pytest.raises(ConfigError, match="for Sentinel"):
+        redis_settings({"url": "redis://h1:6379/0", "sentinel_password": "s3"}, "fleet")
+    monkeypatch.setenv("SENTINEL_PW", "from-env")
+    env = "SENTINEL_PW"
+    assert redis_settings({"url": url}, "f", sentinel_password_env=env).sentinel_password == "from-env"
+    given = redis_settings({"url": url, "sentinel_password": "yaml"}, "f", sentinel_password_env=env)
+    assert given.sentinel_password == "yaml"  # the YAML's wins, as for the data nodes' password
+    plain = redis_settings({"url": "redis://h1:6379/0"}, "f", sentinel_password_env=env)
+    assert plain.sentinel_password is None  # one server: no Sentinel to log in to
+    assert redis_settings({"url": url}, "f").sentinel_password is None
 
 
 def test_cluster_url_puts_the_pool_in_one_hash_slot() -> None:
@@ -105,9 +129,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSet]:
     c.stop()
 
 
-async def _round_trip(url: str) -> None:
+@pytest.fixture(scope="module")
+def sentinel_with_auth(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelSet]:
+    folder = tmp_path_factory.mktemp("sentinel-auth")
+    s = SentinelSet(folder, password="data-pw", sentinel_password="sentinel-pw").start()
+    yield s
+    s.stop()
+
+
+async def _round_trip(url: str, **credentials: str) -> None:
     """Snapshot keys load back (SCAN + MGET) and a PUBLISH reaches a subscriber, in this topology."""
-    settings = RedisSettings(url=url, pool="rt")
+    settings = RedisSettings(url=url, pool="rt", **credentials)
     client, sub = redis_client(settings), redis_pubsub_client(settings)
     pubsub = sub.pubsub(ignore_subscribe_messages=True)
     # The data client's own pubsub() subscribes too, in every topology (Cluster included).
@@ -138,6 +170,29 @@ async def _round_trip(url: str) -> None:
 
 async def test_sentinel_round_trip(sentinel: SentinelSet) -> None:
     await _round_trip(sentinel.url)
+
+
+@pytest.mark.integration
+async def test_sentinels_with_a_password_of_their_own(sentinel_with_auth: SentinelSet) -> None:
+    """Sentinels with `requirepass` of their own and data nodes with another: the round trip works
+    with both; without the Sentinels' the master is not found and doctor names the setting."""
+    s = sentinel_with_auth
+    await _round_trip(s.url, sentinel_password="sentinel-pw")
+    client = redis_client(RedisSettings(url=s.url, pool="rt"))
+    try:
+        with pytest.raises(MasterNotFoundError) as err:
+            await client.ping()
+    finally:
+        await client.aclose()
+    assert "sentinel-pw" not in str(err.value) and "data-pw" not in str(err.value)
+    assert "fleet.sentinel_password" in _redis_hint(err.value)
+    wrong = redis_client(RedisSettings(url=s.url.replace("data-pw", "nope"), sentinel_password="sentinel-pw"))
+    try:
+        with pytest.raises(AuthenticationError) as bad:
+            await wrong.ping()
+    finally:
+        await wrong.aclose()
+    assert "fleet.password" in _redis_hint(bad.value)
 
 
 async def test_cluster_round_trip(cluster: ClusterSet) -> None:

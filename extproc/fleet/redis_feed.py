@@ -75,8 +75,12 @@ class _SentinelPool(SentinelConnectionPool):
 
 def _sentinel_master(settings: RedisSettings, topology: RedisTopology) -> aioredis.Redis:
     kwargs = _client_kwargs(settings, topology)
-    timeouts = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout")}
-    sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=timeouts)
+    own: dict[str, Any] = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout")}
+    if settings.sentinel_username:
+        own["username"] = settings.sentinel_username
+    if settings.sentinel_password:
+        own["password"] = settings.sentinel_password
+    sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=own)
     assert topology.master_name is not None  # redis_topology checked it
     # Every new connection asks the Sentinels for the current master, so a failover is followed by
     # reconnecting; check_connection PINGs first, so a demoted master is not kept.

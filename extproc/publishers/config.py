@@ -24,6 +24,7 @@ from extproc.settings import (
     DEFAULT_PUBLISH_INTERVAL_S,
     DEFAULT_SCRAPE_TIMEOUT_S,
     ENV_REDIS_PASSWORD,
+    ENV_REDIS_SENTINEL_PASSWORD,
     MAX_METRICS_BYTES,
     MAX_TTL_MS,
     MIN_TTL_MS,
@@ -253,7 +254,12 @@ def load_publisher_config(path: str | None, **overrides: Any) -> PublisherConfig
             raise ConfigError(
                 f"publisher: 'redis.{key}' is the service's (its fleet: section), not the publisher's"
             )
-    redis = redis_settings(redis_raw, "publisher: 'redis'", password_env=ENV_REDIS_PASSWORD)
+    redis = redis_settings(
+        redis_raw,
+        "publisher: 'redis'",
+        password_env=ENV_REDIS_PASSWORD,
+        sentinel_password_env=ENV_REDIS_SENTINEL_PASSWORD,
+    )
     instances = [instance_from_dict(i) for i in raw.pop("instances", []) or []]
     given: dict[str, Any] = {"redis": redis, "instances": instances}
     if "max_metrics_bytes" in raw:

@@ -18,13 +18,14 @@ from extproc_lab.stack.processes import RedisProcess, free_port, wait_port
 DOWN_AFTER_MS = 1000  # Sentinel down-after-milliseconds and cluster-node-timeout
 
 
-def redis_cli(port: int, *args: str, timeout: float = 5.0) -> str:
+def redis_cli(port: int, *args: str, timeout: float = 5.0, password: str | None = None) -> str:
     """One `redis-cli` command against a loopback port; its stdout (errors as text, never raised)."""
     binary = shutil.which("redis-cli")
     if binary is None:
         raise FileNotFoundError("redis-cli not found: install it (apt-get install redis-tools)")
+    auth = ["--no-auth-warning", "-a", password] if password else []
     done = subprocess.run(
-        [binary, "-h", "127.0.0.1", "-p", str(port), *args],
+        [binary, "-h", "127.0.0.1", "-p", str(port), *auth, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -55,9 +56,9 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def _info(port: int, *command: str) -> dict[str, str]:
+def _info(port: int, *command: str, password: str | None = None) -> dict[str, str]:
     out: dict[str, str] = {}
-    for line in redis_cli(port, *command).splitlines():
+    for line in redis_cli(port, *command, password=password).splitlines():
         key, sep, value = line.strip().partition(":")
         if sep:
             out[key] = value
@@ -65,16 +66,30 @@ def _info(port: int, *command: str) -> dict[str, str]:
 
 
 class SentinelSet:
-    """A master, one replica and three Sentinels (quorum 2) on loopback ports."""
+    """A master, one replica and three Sentinels (quorum 2) on loopback ports; with `password` the
+    data nodes require it, with `sentinel_password` the Sentinels require theirs (as Helm charts
+    with auth on run them)."""
 
-    def __init__(self, folder: Path, master_name: str = "fleet") -> None:
+    def __init__(
+        self,
+        folder: Path,
+        master_name: str = "fleet",
+        password: str | None = None,
+        sentinel_password: str | None = None,
+    ) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.master_name = master_name
+        self.password = password
+        self.sentinel_password = sentinel_password
         here = ["--dir", str(folder)]  # a replica's full sync writes an RDB file there, not in the cwd
-        self.master = RedisProcess(folder / "master.log", extra_args=here)
+        if password:  # either may be promoted: both sync from the other with it
+            here += ["--masterauth", password]
+        self.master = RedisProcess(folder / "master.log", password=password, extra_args=here)
         self.replica = RedisProcess(
-            folder / "replica.log", extra_args=[*here, "--replicaof", "127.0.0.1", str(self.master.port)]
+            folder / "replica.log",
+            password=password,
+            extra_args=[*here, "--replicaof", "127.0.0.1", str(self.master.port)],
         )
         self.sentinel_ports = [free_port() for _ in range(3)]
         self.sentinels: list[subprocess.Popen[bytes]] = []
@@ -82,7 +97,8 @@ class SentinelSet:
     @property
     def url(self) -> str:
         hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
-        return f"redis+sentinel://{hosts}/{self.master_name}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+sentinel://{auth}{hosts}/{self.master_name}/0"
 
     def start(self, timeout: float = 30.0) -> SentinelSet:
         try:
@@ -95,7 +111,12 @@ class SentinelSet:
         self.master.start()
         self.replica.start()
         _wait(
-            lambda: _info(self.replica.port, "INFO", "replication").get("master_link_status") == "up",
+            lambda: (
+                _info(self.replica.port, "INFO", "replication", password=self.password).get(
+                    "master_link_status"
+                )
+                == "up"
+            ),
             timeout,
             "replica in sync",
         )
@@ -108,6 +129,8 @@ class SentinelSet:
                 f"sentinel down-after-milliseconds {self.master_name} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {self.master_name} 5000\n"
                 f"sentinel parallel-syncs {self.master_name} 1\n"
+                + (f"sentinel auth-pass {self.master_name} {self.password}\n" if self.password else "")
+                + (f"requirepass {self.sentinel_password}\n" if self.sentinel_password else "")
             )
             log = (self.folder / f"sentinel-{port}.log").open("ab")
             self.sentinels.append(
@@ -125,7 +148,9 @@ class SentinelSet:
 
     def _sentinels_agree(self) -> bool:
         for port in self.sentinel_ports:
-            out = redis_cli(port, "SENTINEL", "MASTER", self.master_name).split("\n")
+            out = redis_cli(
+                port, "SENTINEL", "MASTER", self.master_name, password=self.sentinel_password
+            ).split("\n")
             fields = dict(zip(out[0::2], out[1::2], strict=False))
             if fields.get("num-other-sentinels") != "2" or fields.get("num-slaves") != "1":
                 return False
@@ -133,7 +158,13 @@ class SentinelSet:
 
     def master_port(self) -> int | None:
         """The port the Sentinels name as master now."""
-        out = redis_cli(self.sentinel_ports[0], "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.master_name)
+        out = redis_cli(
+            self.sentinel_ports[0],
+            "SENTINEL",
+            "GET-MASTER-ADDR-BY-NAME",
+            self.master_name,
+            password=self.sentinel_password,
+        )
         lines = out.split()
         return int(lines[1]) if len(lines) == 2 and lines[1].isdigit() else None
 
