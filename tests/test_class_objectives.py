@@ -806,3 +806,18 @@ def test_the_class_bench_runs_its_own_rows_once() -> None:
     cfg.references = (OURS, "round-robin")
     got = rows(cfg)
     assert got.count(OURS) == 1 and got[-1] == "round-robin" and len(got) == 5
+
+
+def test_a_limits_source_says_what_admission_counts_on() -> None:
+    """`BatchLimits.source` (exported as `llm_extproc_batch_limit{source}`): published, a learnt
+    sequence cap, a queue that bounds admission only, or none."""
+    b = BatchLimits()
+    assert b.source("e") == (None, "none")
+    b.take("e", Snap(3, 0, 1.0))
+    assert b.source("e") == (None, "none")
+    b.take("e", Snap(5, 2, 1.5))
+    assert b.source("e") == (5, "queue")
+    b.take("e", Snap(5, 2, 2.0))
+    assert b.source("e") == (5, "sequence_cap")
+    b.take("p", Snap(2, 0, 2.5, max_num_seqs=8))
+    assert b.source("p") == (8, "published")

@@ -403,3 +403,28 @@ async def test_a_failing_rebuild_loop_goes_on_and_fails_readiness_only_while_it_
     assert await until(lambda: not supervision.failing())
     await harness.feed.stop()
     assert not [s for s in supervision.loops() if s.name.startswith("fleet-")]  # stopped: gone
+
+
+async def test_each_upstreams_batch_limit_and_its_source_are_exported(harness: Harness) -> None:
+    """`llm_extproc_batch_limit{upstream,source}`: what admission's class rule counts on, so an
+    operator sees where the classes do not separate yet (`none`) and where a limit is only learnt."""
+    harness.feed.start()
+    await harness.feed.connected.wait()
+
+    def limit(upstream: str, source: str) -> float | None:
+        return harness.metrics.registry.get_sample_value(
+            "llm_extproc_batch_limit", {"upstream": upstream, "source": source}
+        )
+
+    await harness.put(snapshot(num_running=3, waiting=0, kv_cache_usage=0.3, load_presence=True))
+    b = "gpu-b/127.0.0.1:8002"
+    await harness.put(snapshot(b, "gpu-b", num_running=2, max_num_seqs=6, load_presence=True))
+    assert await until(lambda: limit("gpu-a", "none") == 0 and limit("gpu-b", "published") == 6)
+    # gpu-a queues at 5 running with room in its cache: a limit for admission's count, not yet a cap.
+    await harness.put(snapshot(seq=2, num_running=5, waiting=3, kv_cache_usage=0.3, load_presence=True))
+    assert await until(lambda: limit("gpu-a", "queue") == 5)
+    assert limit("gpu-a", "none") is None  # one series per upstream: the old source's is gone
+    # The same batch queueing again: a steady sequence cap, where places are kept for critical requests.
+    await harness.put(snapshot(seq=3, num_running=5, waiting=2, kv_cache_usage=0.3, load_presence=True))
+    assert await until(lambda: limit("gpu-a", "sequence_cap") == 5)
+    assert limit("gpu-a", "queue") is None

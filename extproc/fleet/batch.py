@@ -170,6 +170,19 @@ class BatchLimits:
             return seen.queued_at
         return seen.held if seen.held is not None else self._sibling(seen)
 
+    def source(self, upstream_id: str) -> tuple[float | None, str]:
+        """Admission's limit for `upstream_id` (`limit()`) and where it comes from, for operators
+        (`llm_extproc_batch_limit`): "published" (`max_num_seqs`), "sequence_cap" (learnt, and kept
+        places count there: steady or its kind's), "queue" (a queue or a full KV cache: it bounds how
+        many are admitted only), "none" (unknown: the classes do not separate there yet)."""
+        if (published := self.limit(upstream_id, published=True)) is not None:
+            return published, "published"
+        if (cap := self.limit(upstream_id, cap=True)) is not None:
+            return cap, "sequence_cap"
+        if (limit := self.limit(upstream_id)) is not None:
+            return limit, "queue"
+        return None, "none"
+
     def _sibling(self, seen: _Batch) -> float | None:
         """The sequence cap engines of its kind showed, unless it ran more itself (`_share`); more for
         the engine the kind's probe is on."""

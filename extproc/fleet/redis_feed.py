@@ -276,6 +276,8 @@ class RedisFeed:
         self.metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
         self._exported: set[str] = set()
+        # upstream -> the source and child of its llm_extproc_batch_limit series (one at a time)
+        self._limit_series: dict[str, tuple[str, Any]] = {}
         self._stale_ready_seen = 0  # view.stale_ready_decisions already added to the counter
         self.connected = asyncio.Event()
 
@@ -391,3 +393,16 @@ class RedisFeed:
         for uid in self._exported - held.keys():  # forget series of instances the view dropped
             ages.remove(uid)
         self._exported = set(held)
+        # Per upstream (an instance, or a cluster in cluster mode): one series, labelled by its source.
+        limits, series = self.metrics.batch_limit, self._limit_series
+        upstreams = self.view.loads_by_id()
+        for uid in upstreams:
+            limit, source = self.view.batches.source(uid)
+            held_series = series.get(uid)
+            if held_series is None or held_series[0] != source:
+                if held_series is not None:
+                    limits.remove(uid, held_series[0])
+                held_series = series[uid] = (source, limits.labels(uid, source))
+            held_series[1].set(limit or 0.0)
+        for uid in series.keys() - upstreams.keys():
+            limits.remove(uid, series.pop(uid)[0])

@@ -237,6 +237,15 @@ class Metrics:
             ["upstream"],
             registry=self.registry,
         )
+        self.batch_limit = Gauge(
+            "llm_extproc_batch_limit",
+            "Requests admission lets run at once per upstream (its batch limit) and where that comes "
+            "from: published (max_num_seqs), sequence_cap (learnt; places are kept for critical "
+            "requests there), queue (a queue or a full KV cache: bounds admission only), none (0: "
+            "unknown, the classes do not separate there yet).",
+            ["upstream", "source"],
+            registry=self.registry,
+        )
         self.fleet_instances = Gauge(
             "llm_extproc_fleet_instances",
             "Instances in the fleet view by state (fresh_ready, fresh_not_ready, stale).",
