@@ -488,6 +488,11 @@ def _redis_hint(exc: BaseException) -> str:
             "Redis refused the credentials: fix `fleet.username` / `fleet.password` "
             f"(or ${ENV_REDIS_PASSWORD})"
         )
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (
+            "Redis's TLS certificate is not from a CA this machine trusts: set `fleet.tls_ca_file` to "
+            "the CA that signed it (and check the host name or IP in `fleet.url` is in the certificate)"
+        )
     return "start Redis or fix `fleet.url` / --redis"
 
 
