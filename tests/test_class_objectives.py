@@ -592,6 +592,17 @@ def test_more_critical_traffic_keeps_more_places() -> None:
     assert adm.decide(request("standard")) is Verdict.QUEUE  # 1 + round(2 x 1 / 1) = 3 kept
 
 
+def test_the_other_replicas_critical_traffic_keeps_places_too() -> None:
+    """Behind N replicas each sees 1/N of the critical arrivals; the places are kept for all of them
+    (the others' rates come through replica sync: `peer_critical_rate`)."""
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (6.0, 8.0, 1.0)}
+    adm = admission(batches)
+    assert adm.decide(request("standard")) is Verdict.ADMIT  # alone: 6 + 1 leaves one for a critical
+    adm.peer_critical_rate = lambda model: 1.0 if model == "m" else 0.0  # one a second elsewhere
+    assert adm.critical_rate("m") == 1.0
+    assert adm.decide(request("standard")) is Verdict.QUEUE  # 1 + round(2 x 1 / 1) = 3 kept
+
+
 def test_a_looser_critical_objective_lets_lower_classes_queue_at_the_engine() -> None:
     # Critical may wait 2 turnovers beyond the batch ("3x" of a 1 s unloaded TTFT, one a second).
     batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}

@@ -91,8 +91,10 @@ class Replica:
             self.metrics,
             settings,
             redis,
+            critical_rates=self.lifecycle.admission.own_critical_rates,
             **extra,
         )
+        self.lifecycle.admission.peer_critical_rate = self.remote.critical_rate  # as server/app.py
 
     def route(self, q: int = 0) -> Decision:
         return self.lifecycle.route(HEAD, body(q))
@@ -273,6 +275,46 @@ def test_absurd_counts_are_rejected() -> None:
     c = Replica("c", known=True)
     assert not c.sync.incoming(Forger("y")({f"c{i % 4}{'x' * i}": 1 for i in range(5)}))
     assert c.rejected("too_many") == 1
+
+
+def test_replicas_add_each_others_critical_arrival_rates() -> None:
+    """Admission keeps places for the fleet's critical traffic, and each replica sees only its share
+    of the arrivals: each publishes its own rate per model ("k") and adds the others' (before, three
+    replicas each kept the places of a third of the critical requests)."""
+    a, b = Replica("a"), Replica("b")
+    for _ in range(20):
+        a.lifecycle.admission._count_critical("m")
+    own = a.lifecycle.admission.own_critical_rate("m")
+    assert own > 0 and b.lifecycle.admission.critical_rate("m") == 0
+    message = a.sync.outgoing(force=True)
+    assert message is not None and msgpack.unpackb(message)["k"] == {"m": pytest.approx(own, rel=1e-3)}
+    assert b.sync.incoming(message)
+    assert b.lifecycle.admission.critical_rate("m") == pytest.approx(own, rel=1e-3)
+    assert b.lifecycle.admission.own_critical_rate("m") == 0  # what b publishes is its own only
+    b.lifecycle.admission._count_critical("m")
+    assert b.lifecycle.admission.critical_rate("m") > own
+    # A message without "k" says the replica has none now; a silent replica's rate expires with it.
+    assert b.sync.incoming(Forger("a2")({"c0": 1}, k={"m": 3.0}))
+    assert b.remote.critical_rate("m") == pytest.approx(own + 3.0, rel=1e-3)
+    assert b.sync.incoming(Forger("a2")({"c0": 1}))
+    assert b.remote.critical_rate("m") == pytest.approx(own, rel=1e-3)
+    b.remote.forget("a")
+    assert b.remote.critical_rate("m") == 0
+
+
+def test_bad_critical_rates_are_dropped_and_the_message_still_applies() -> None:
+    b = Replica("b")
+    forge = Forger()
+    rates = {"ok": 2.0, "neg": -1.0, "nan": math.nan, 5: 1.0, "x" * 300: 1.0, "big": 1e9, "t": True}
+    assert b.sync.incoming(forge({"c1": 3}, k=rates))
+    assert b.remote.critical_rate("ok") == 2.0
+    assert all(b.remote.critical_rate(m) == 0 for m in ("neg", "nan", "big", "t"))
+    assert b.rejected("rate") == 6
+    assert b.sync.incoming(forge({"c1": 4}, k=[1, 2]))  # not a map: the field goes, the counts apply
+    assert b.counted()["c1"] == 4 and b.remote.critical_rate("ok") == 0
+    assert b.rejected("rate") == 7
+    assert b.sync.incoming(forge({"c1": 4}, k={f"m{i}": 1.0 for i in range(2000)}))  # too many
+    assert b.remote.critical_rate("m1") == 0 and b.rejected("rate") == 8
 
 
 @pytest.mark.parametrize("version", [2, None, "1", True])

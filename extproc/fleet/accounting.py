@@ -86,7 +86,7 @@ class RemoteInFlight:
     sync task. Single-threaded (event loop) use only. At most `max_origins` replicas are held; the
     caller checks `admits()` before `update()`."""
 
-    __slots__ = ("_by_origin", "_seen", "_total", "clock", "expire_s", "max_origins")
+    __slots__ = ("_by_origin", "_critical", "_seen", "_total", "clock", "expire_s", "max_origins")
 
     def __init__(
         self,
@@ -100,6 +100,19 @@ class RemoteInFlight:
         self._by_origin: dict[str, dict[str, int]] = {}
         self._seen: dict[str, float] = {}
         self._total: dict[str, int] = {}
+        self._critical: dict[str, dict[str, float]] = {}  # origin: {model: critical requests / s}
+
+    def update_critical(self, origin: str, rates: dict[str, float]) -> None:
+        """`origin`'s critical arrival rates by model now (models it does not list: 0). Call after
+        `update()` for the same message (expiry follows its counts)."""
+        if rates:
+            self._critical[origin] = dict(rates)
+        else:
+            self._critical.pop(origin, None)
+
+    def critical_rate(self, model: str) -> float:
+        """The other replicas' critical requests per second for `model`, as each last reported."""
+        return sum(rates.get(model, 0.0) for rates in self._critical.values())
 
     def update(self, origin: str, counts: dict[str, int]) -> None:
         """`origin`'s full in-flight counts now (upstreams it does not list: 0)."""
@@ -117,6 +130,7 @@ class RemoteInFlight:
 
     def forget(self, origin: str) -> bool:
         self._seen.pop(origin, None)
+        self._critical.pop(origin, None)
         old = self._by_origin.pop(origin, None)
         self._add(old, -1)
         return old is not None

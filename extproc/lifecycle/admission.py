@@ -346,6 +346,7 @@ class Admission:
         "_route_objectives",
         "clock",
         "metrics",
+        "peer_critical_rate",
         "prefill",
         "settings",
         "state",
@@ -370,6 +371,9 @@ class Admission:
         self._granted: dict[str, int] = {}  # woken waiters not yet scheduled, per model
         self._queued = 0
         self._critical: dict[str, tuple[float, float, float]] = {}  # model -> (rate, when, since)
+        # The other replicas' critical requests per second by model (RemoteInFlight.critical_rate),
+        # set where replica sync runs.
+        self.peer_critical_rate: Callable[[str], float] | None = None
         # (model, a route's objectives) -> the objectives merged: routes x models, few
         self._route_objectives: dict[tuple[str | None, RouteObjectives], ClassObjectives] = {}
 
@@ -562,7 +566,21 @@ class Admission:
         return found
 
     def critical_rate(self, model: str | None) -> float:
-        """Critical requests per second for `model`, decayed over CRITICAL_RATE_WINDOW_S."""
+        """Critical requests per second for `model` across the replicas: this one's
+        (`own_critical_rate`) and those the others last reported (replica sync). Each replica sees
+        only its share of the arrivals; counted alone, N replicas kept the places of 1/N of the
+        critical traffic (notebook/benchmarks-history.md, "Critical arrivals across replicas")."""
+        own = self.own_critical_rate(model)
+        peers = self.peer_critical_rate
+        return own if peers is None else own + peers(model or "")
+
+    def own_critical_rates(self) -> dict[str, float]:
+        """This replica's critical requests per second by model (what replica sync publishes)."""
+        return {model: rate for model in self._critical if (rate := self.own_critical_rate(model)) > 0.0}
+
+    def own_critical_rate(self, model: str | None) -> float:
+        """Critical requests per second for `model` at this replica, decayed over
+        CRITICAL_RATE_WINDOW_S."""
         held = self._critical.get(model or "")
         if held is None:
             return 0.0

@@ -297,6 +297,7 @@ def _sync(
         return None
     remote = RemoteInFlight(config.sync.expire_s)
     lifecycle.state.share(remote)
+    lifecycle.admission.peer_critical_rate = remote.critical_rate
     sync = ReplicaSync(
         replica or os.urandom(4).hex(),
         config.profiles,
@@ -306,6 +307,7 @@ def _sync(
         config.sync,
         config.fleet,
         known_upstreams=pool_upstreams(config.pool, lifecycle.view),
+        critical_rates=lifecycle.admission.own_critical_rates,
     )
     sync.start()
     return sync

@@ -8,7 +8,8 @@ once per `interval_s`, batching what came meanwhile, and every `heartbeat_s` whe
 message on `<prefix>:sync`:
 
     {"v": 1, "r": replica id, "s": sequence, "t": unix time, "c": {upstream: own in-flight count},
-     "u": {"<profile>/<i>:<plugin>": [update records, in order]}}
+     "u": {"<profile>/<i>:<plugin>": [update records, in order]},
+     "k": {model: own critical requests per second}}   ("k" only while there are some)
 
 followed, when the replicas share a key (`sync.key_file` or $LLM_EXTPROC_SYNC_KEY), by 32 bytes of
 HMAC-SHA256 over the packed message (state dumps likewise, under another context string).
@@ -91,6 +92,12 @@ FINGERPRINT_K = 32  # hashes per plugin and upstream in an agreement sketch
 FINGERPRINT_BYTE = 32  # of 256: the share of held hashes the sketch samples from (1/8)
 FINGERPRINT_HASH_BYTES = 8  # a prefix of each hash is enough to compare
 MAX_FINGERPRINT_UPSTREAMS = 4096
+# Critical arrival rates ("k"): admission keeps places for the whole fleet's critical traffic, and
+# each replica sees only its share (lifecycle/admission.py, `critical_rate`).
+MAX_RATE_MODELS = 1024  # more models in one message: the field is dropped
+MAX_RATE = 1e6  # requests per second; above it an entry is not believed
+MAX_MODEL_CHARS = 256
+MIN_RATE = 1e-3  # a rate decayed below this is not sent (a model that had critical traffic once)
 
 
 def shared_plugins(profiles: Mapping[str, Profile]) -> dict[str, SharedPlugin]:
@@ -179,8 +186,10 @@ class ReplicaSync:
         redis: RedisSettings | None = None,
         clock: Callable[[], float] = time.time,
         known_upstreams: Callable[[], Collection[str]] | None = None,
+        critical_rates: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.replica = replica
+        self.critical_rates = critical_rates  # this replica's, by model (Admission.own_critical_rates)
         self.plugins = shared_plugins(profiles)
         self.inflight = inflight
         self.remote = remote
@@ -237,6 +246,10 @@ class ReplicaSync:
             "c": counts,
             "u": updates,
         }
+        if self.critical_rates is not None:
+            rates = {m: r for m, r in self.critical_rates().items() if r >= MIN_RATE}
+            if rates:
+                message["k"] = rates
         if self._send_fingerprint:
             self._send_fingerprint = False
             message["a"] = self._fingerprint
@@ -379,6 +392,7 @@ class ReplicaSync:
             self._forget_pins(origin)
         self._seen_seq[origin] = (seq, float(sent_at))
         self.remote.update(origin, own_counts)
+        self.remote.update_critical(origin, self._checked_rates(message.get("k")))
         for key, records in updates.items():
             plugin = self.plugins.get(key) if isinstance(key, str) else None
             if plugin is None:
@@ -412,6 +426,30 @@ class ReplicaSync:
             elif checks.upstream(uid) and n:
                 out[uid] = n
         self._reject("count", bad)
+        return out
+
+    def _checked_rates(self, rates: object) -> dict[str, float]:
+        """A peer's critical arrival rates by model ("k"; absent: none), entry by entry: a model name
+        of at most MAX_MODEL_CHARS characters, a finite rate in [0, MAX_RATE]; not a map, or more
+        than MAX_RATE_MODELS entries, drops the field (never the message)."""
+        if rates is None:
+            return {}
+        if not isinstance(rates, dict) or len(rates) > MAX_RATE_MODELS:
+            self._reject("rate")
+            return {}
+        out: dict[str, float] = {}
+        bad = 0
+        for model, rate in rates.items():
+            if (
+                isinstance(model, str)
+                and 0 < len(model) <= MAX_MODEL_CHARS
+                and _number(rate)
+                and 0.0 <= rate <= MAX_RATE
+            ):
+                out[model] = float(rate)
+            else:
+                bad += 1
+        self._reject("rate", bad)
         return out
 
     def _forget_pins(self, origin: str) -> None:

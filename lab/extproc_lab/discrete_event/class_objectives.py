@@ -8,7 +8,8 @@ as the batch is full), 16 tenants with ~1k-token system prompts, every request c
 `x-llm-priority` (20 % critical, 50 % standard, 30 % sheddable), open loop. llm-extproc runs the
 **shipped** settings with `admission.enabled: true` (and the bench's clients trusted to ask for
 critical): no bench-tuned thresholds. `--objectives critical=300ms` runs them under other class
-objectives (the trade of critical latency for goodput at capacity: docs/tuning.md).
+objectives (the trade of critical latency for goodput at capacity: docs/tuning.md); `--replicas 3`
+as three replicas sharing state through replica sync, taking the requests in turn.
 
 Per cell, capacity is the highest arrival rate at which the best router (llm-extproc without
 admission, the peers, exact-ttft) serves 95 % of the requests within the goodput SLO (TTFT <= 2 s),
@@ -26,6 +27,7 @@ Writes `classes.json` and `classes.md`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -67,6 +69,7 @@ class Config:
     references: tuple[str, ...] = REFERENCES
     publish_interval_s: float = DEFAULT_PUBLISH_INTERVAL_S
     warmup: float = 0.1
+    replicas: int = 1  # llm-extproc processes taking the requests in turn, sharing state (sync)
 
 
 def with_objectives(admission: dict[str, Any], value: str) -> dict[str, Any]:
@@ -107,12 +110,15 @@ def run_row(cell: ClassCell, cfg: Config, wl: Workload, row: str) -> list[Reques
         publish_interval_s=cfg.publish_interval_s,
         scheduling_policy="priority" if engine_priority else "fcfs",
         max_num_seqs=row == CONFIGURED,
+        replicas=cfg.replicas if policy == OURS else 1,
     )
     return run.records
 
 
 def capacity(cell: ClassCell, cfg: Config, steps: int = 6) -> tuple[float, str]:
-    """The highest rate at which the best of CAPACITY_POLICIES serves CAPACITY_GOOD within the SLO."""
+    """The highest rate at which the best of CAPACITY_POLICIES serves CAPACITY_GOOD within the SLO
+    (one llm-extproc replica: runs with `--replicas` keep the cell's capacity)."""
+    cfg = dataclasses.replace(cfg, replicas=1)
     best = (0.0, "-")
     for policy in CAPACITY_POLICIES:
         lo, hi = 0.0, 8.0 * len(cell.fleet)
@@ -225,6 +231,7 @@ def run(cfg: Config, out: Path | None, log: Any = print) -> dict[str, Any]:
             "admission": cfg.admission,
             "publish_interval_s": cfg.publish_interval_s,
             "warmup": cfg.warmup,
+            "replicas": cfg.replicas,
         },
         "cells": {},
     }
@@ -252,6 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the llm-extproc rows' class objectives, as a route's x-llm-objectives "
         "(critical=300ms,standard=4x; default: the shipped ones): what critical latency buys goodput",
     )
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="llm-extproc replicas sharing state (replica sync), taking the requests in turn",
+    )
     ap.add_argument("--out", default="out/classes")
     args = ap.parse_args(argv)
     cfg = Config(
@@ -259,7 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         count=args.count,
         seed=args.seed,
         loads=tuple(float(x) for x in args.loads.split(",")),
+        replicas=args.replicas,
     )
+    if args.replicas < 1:
+        ap.error("--replicas must be at least 1")
     if args.rows:
         cfg.references = tuple(r for r in args.rows.split(",") if r)
     if args.objectives:

@@ -256,6 +256,7 @@ class ExtprocPolicy:
             if replicas > 1 and share:
                 remote = RemoteInFlight(config.sync.expire_s, clock=clock)
                 replica.lifecycle.state.share(remote)
+                replica.lifecycle.admission.peer_critical_rate = remote.critical_rate
                 replica.sync = ReplicaSync(
                     f"r{r}",
                     config.profiles,
@@ -264,6 +265,7 @@ class ExtprocPolicy:
                     metrics,
                     config.sync,
                     clock=clock,
+                    critical_rates=replica.lifecycle.admission.own_critical_rates,
                 )
                 replica.lifecycle.inflight.watch(replica.mark)
             self.replicas.append(replica)
