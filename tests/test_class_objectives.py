@@ -603,6 +603,32 @@ def test_the_other_replicas_critical_traffic_keeps_places_too() -> None:
     assert adm.decide(request("standard")) is Verdict.QUEUE  # 1 + round(2 x 1 / 1) = 3 kept
 
 
+def test_a_sheddable_request_is_shed_while_standard_ones_wait_at_another_replica() -> None:
+    """Each replica queues its own standard requests; one with an empty queue would serve a
+    sheddable request into the room they wait for. The others' waiters come through replica sync
+    (`peer_waiting`), and this replica's queue changes are news for it (`on_queue_change`)."""
+    batches: dict[str, tuple[float, float | None, float | None]] = {"e": (2.0, 8.0, 1.0)}  # room
+    adm = admission(batches)
+    waiting = {"m": 0}
+    adm.peer_waiting = lambda model: waiting.get(model, 0)
+    assert adm.decide(request("sheddable")) is Verdict.ADMIT
+    waiting["m"] = 3
+    with pytest.raises(RequestError) as info:
+        adm.decide(request("sheddable"))
+    assert info.value.status == 429
+    assert adm.decide(request("standard")) is Verdict.ADMIT  # standard ones still go where there is room
+    assert adm.decide(request("sheddable", model="other")) is Verdict.ADMIT  # another model's queue
+    told: list[int] = []
+    adm.on_queue_change = lambda: told.append(adm.queued)
+    batches["e"] = (8.0, 8.0, 1.0)
+    waiter = request("standard")
+    assert adm.decide(waiter) is Verdict.QUEUE
+    adm.enqueue(waiter, lambda err: None)
+    assert adm.own_waiting() == {"m": 1} and told == [1]
+    batches["e"] = (2.0, 8.0, 1.0)
+    assert adm.dispatch("m") == 1 and adm.own_waiting() == {} and told == [1, 0]
+
+
 def test_a_looser_critical_objective_lets_lower_classes_queue_at_the_engine() -> None:
     # Critical may wait 2 turnovers beyond the batch ("3x" of a 1 s unloaded TTFT, one a second).
     batches: dict[str, tuple[float, float | None, float | None]] = {"e": (8.0, 8.0, 1.0)}

@@ -92,9 +92,12 @@ class Replica:
             settings,
             redis,
             critical_rates=self.lifecycle.admission.own_critical_rates,
+            waiting=self.lifecycle.admission.own_waiting,
             **extra,
         )
         self.lifecycle.admission.peer_critical_rate = self.remote.critical_rate  # as server/app.py
+        self.lifecycle.admission.peer_waiting = self.remote.waiting
+        self.lifecycle.admission.on_queue_change = self.sync.news
 
     def route(self, q: int = 0) -> Decision:
         return self.lifecycle.route(HEAD, body(q))
@@ -300,6 +303,34 @@ def test_replicas_add_each_others_critical_arrival_rates() -> None:
     assert b.remote.critical_rate("m") == pytest.approx(own, rel=1e-3)
     b.remote.forget("a")
     assert b.remote.critical_rate("m") == 0
+
+
+def test_replicas_tell_each_other_of_standard_requests_waiting() -> None:
+    """A sheddable request is shed while standard ones wait at any replica (lifecycle/admission.py):
+    each publishes its waiters by model ("w"), at once when its queue changes."""
+    a, b = Replica("a"), Replica("b")
+    queue: dict[str, int] = {}
+    a.sync.waiting = lambda: dict(queue)
+    first = a.sync.outgoing(force=True)
+    assert first is not None and "w" not in msgpack.unpackb(first)
+    assert a.sync.outgoing() is None  # nothing new
+    queue["m"] = 2
+    message = a.sync.outgoing()  # a queue that changed is news, without any in-flight change
+    assert message is not None and msgpack.unpackb(message)["w"] == {"m": 2}
+    assert b.sync.incoming(first) and b.sync.incoming(message)
+    assert b.lifecycle.admission.peer_waiting is not None
+    assert b.lifecycle.admission.peer_waiting("m") == 2 and b.remote.waiting("other") == 0
+    queue.clear()
+    assert b.sync.incoming(a.sync.outgoing())  # type: ignore[arg-type]
+    assert b.remote.waiting("m") == 0
+    forge = Forger()
+    assert b.sync.incoming(forge({"c0": 1}, w={"m": 4, "neg": -1, "f": 1.5, 7: 1, "big": MAX_COUNT + 1}))
+    assert b.remote.waiting("m") == 4 and b.rejected("waiting") == 4
+    assert b.sync.incoming(forge({"c0": 1}, w="lots")) and b.remote.waiting("m") == 0
+    assert b.rejected("waiting") == 5
+    assert b.sync.incoming(forge({"c0": 1}, w={"m": 6})) and b.remote.waiting("m") == 6
+    b.remote.forget("x")  # a replica silent for expire_s: its waiters go with its counts
+    assert b.remote.waiting("m") == 0
 
 
 def test_bad_critical_rates_are_dropped_and_the_message_still_applies() -> None:

@@ -86,7 +86,16 @@ class RemoteInFlight:
     sync task. Single-threaded (event loop) use only. At most `max_origins` replicas are held; the
     caller checks `admits()` before `update()`."""
 
-    __slots__ = ("_by_origin", "_critical", "_seen", "_total", "clock", "expire_s", "max_origins")
+    __slots__ = (
+        "_by_origin",
+        "_critical",
+        "_seen",
+        "_total",
+        "_waiting",
+        "clock",
+        "expire_s",
+        "max_origins",
+    )
 
     def __init__(
         self,
@@ -101,6 +110,7 @@ class RemoteInFlight:
         self._seen: dict[str, float] = {}
         self._total: dict[str, int] = {}
         self._critical: dict[str, dict[str, float]] = {}  # origin: {model: critical requests / s}
+        self._waiting: dict[str, dict[str, int]] = {}  # origin: {model: standard requests waiting}
 
     def update_critical(self, origin: str, rates: dict[str, float]) -> None:
         """`origin`'s critical arrival rates by model now (models it does not list: 0). Call after
@@ -109,6 +119,17 @@ class RemoteInFlight:
             self._critical[origin] = dict(rates)
         else:
             self._critical.pop(origin, None)
+
+    def update_waiting(self, origin: str, waiting: dict[str, int]) -> None:
+        """`origin`'s standard requests waiting in its admission queue by model now (absent: none)."""
+        if waiting:
+            self._waiting[origin] = dict(waiting)
+        else:
+            self._waiting.pop(origin, None)
+
+    def waiting(self, model: str) -> int:
+        """The other replicas' standard requests waiting for `model`, as each last reported."""
+        return sum(w.get(model, 0) for w in self._waiting.values())
 
     def critical_rate(self, model: str) -> float:
         """The other replicas' critical requests per second for `model`, as each last reported."""
@@ -131,6 +152,7 @@ class RemoteInFlight:
     def forget(self, origin: str) -> bool:
         self._seen.pop(origin, None)
         self._critical.pop(origin, None)
+        self._waiting.pop(origin, None)
         old = self._by_origin.pop(origin, None)
         self._add(old, -1)
         return old is not None

@@ -37,7 +37,8 @@ with the prompts placed there: kept by it, standard requests left their prefix h
 whose caches then filled at fewer sequences, and the limits fell with each move.
 
 A new arrival never overtakes the queue: while a model's queue is not empty, standard arrivals
-queue behind it and sheddable ones are shed. The queue is event-loop safe (asyncio futures, no
+queue behind it and sheddable ones are shed (sheddable ones also while another replica's queue holds
+standard requests: replica sync shares the counts). The queue is event-loop safe (asyncio futures, no
 thread waits) and a waiter whose client goes away (its stream is cancelled) leaves it. The same
 object serves the discrete-event mode, which drives it with virtual-time callbacks instead of
 futures (`enqueue`, `expire`, `started`, `abandon`).
@@ -346,7 +347,9 @@ class Admission:
         "_route_objectives",
         "clock",
         "metrics",
+        "on_queue_change",
         "peer_critical_rate",
+        "peer_waiting",
         "prefill",
         "settings",
         "state",
@@ -374,6 +377,10 @@ class Admission:
         # The other replicas' critical requests per second by model (RemoteInFlight.critical_rate),
         # set where replica sync runs.
         self.peer_critical_rate: Callable[[str], float] | None = None
+        # The standard requests the other replicas hold waiting, by model (RemoteInFlight.waiting),
+        # and who to tell when this one's queue changes (replica sync), both set where sync runs.
+        self.peer_waiting: Callable[[str], int] | None = None
+        self.on_queue_change: Callable[[], None] | None = None
         # (model, a route's objectives) -> the objectives merged: routes x models, few
         self._route_objectives: dict[tuple[str | None, RouteObjectives], ClassObjectives] = {}
 
@@ -574,6 +581,11 @@ class Admission:
         peers = self.peer_critical_rate
         return own if peers is None else own + peers(model or "")
 
+    def own_waiting(self) -> dict[str, int]:
+        """Standard requests waiting in this replica's queues by model (what replica sync publishes:
+        a sheddable request at another replica is shed while they wait)."""
+        return {model: len(q) for model, q in self._queues.items() if q}
+
     def own_critical_rates(self) -> dict[str, float]:
         """This replica's critical requests per second by model (what replica sync publishes)."""
         return {model: rate for model in self._critical if (rate := self.own_critical_rate(model)) > 0.0}
@@ -618,9 +630,11 @@ class Admission:
         if klass is PriorityClass.CRITICAL:
             self._count_critical(model)
         ahead = self.queue_length(model)
-        if ahead and klass is PriorityClass.SHEDDABLE:
-            # Standard requests are waiting: room that frees is theirs (even where a sweep of the
-            # queue is about to shed its oldest ones for waiting too long).
+        if klass is PriorityClass.SHEDDABLE and (
+            ahead or (self.peer_waiting is not None and self.peer_waiting(model))
+        ):
+            # Standard requests are waiting, here or at another replica: room that frees is theirs
+            # (even where a sweep of the queue is about to shed its oldest ones for waiting too long).
             raise self._shed(klass, "saturated", "All upstreams for this model are saturated.")
         if ahead:
             self.dispatch(model)  # a snapshot may have freed room since the last finish
@@ -820,9 +834,12 @@ class Admission:
             m.admission_by(klass.value, decision, reason).inc()
 
     def _gauge(self) -> None:
+        """The queue changed: its gauge, and news for replica sync (`own_waiting`)."""
         m = self.metrics
         if m is not None:
             m.admission_queue.set(self._queued)
+        if self.on_queue_change is not None:
+            self.on_queue_change()
 
     def _wait(self, waiter: Waiter, outcome: str) -> None:
         m = self.metrics

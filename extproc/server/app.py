@@ -298,6 +298,7 @@ def _sync(
     remote = RemoteInFlight(config.sync.expire_s)
     lifecycle.state.share(remote)
     lifecycle.admission.peer_critical_rate = remote.critical_rate
+    lifecycle.admission.peer_waiting = remote.waiting
     sync = ReplicaSync(
         replica or os.urandom(4).hex(),
         config.profiles,
@@ -308,7 +309,9 @@ def _sync(
         config.fleet,
         known_upstreams=pool_upstreams(config.pool, lifecycle.view),
         critical_rates=lifecycle.admission.own_critical_rates,
+        waiting=lifecycle.admission.own_waiting,
     )
+    lifecycle.admission.on_queue_change = sync.news
     sync.start()
     return sync
 

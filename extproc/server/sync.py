@@ -9,7 +9,8 @@ message on `<prefix>:sync`:
 
     {"v": 1, "r": replica id, "s": sequence, "t": unix time, "c": {upstream: own in-flight count},
      "u": {"<profile>/<i>:<plugin>": [update records, in order]},
-     "k": {model: own critical requests per second}}   ("k" only while there are some)
+     "k": {model: own critical requests per second},    ("k" only while there are some)
+     "w": {model: standard requests waiting in its admission queue}}   ("w" likewise)
 
 followed, when the replicas share a key (`sync.key_file` or $LLM_EXTPROC_SYNC_KEY), by 32 bytes of
 HMAC-SHA256 over the packed message (state dumps likewise, under another context string).
@@ -187,9 +188,12 @@ class ReplicaSync:
         clock: Callable[[], float] = time.time,
         known_upstreams: Callable[[], Collection[str]] | None = None,
         critical_rates: Callable[[], Mapping[str, float]] | None = None,
+        waiting: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self.replica = replica
         self.critical_rates = critical_rates  # this replica's, by model (Admission.own_critical_rates)
+        self.waiting = waiting  # this replica's standard waiters, by model (Admission.own_waiting)
+        self._last_waiting: dict[str, int] = {}
         self.plugins = shared_plugins(profiles)
         self.inflight = inflight
         self.remote = remote
@@ -233,7 +237,8 @@ class ReplicaSync:
             if records:
                 updates[key] = records
         counts = self.inflight.counts()
-        if not updates and not force and counts == self._last_counts:
+        waiting = dict(self.waiting()) if self.waiting is not None else {}
+        if not updates and not force and counts == self._last_counts and waiting == self._last_waiting:
             return None
         self._limit(updates)
         now = self.clock()
@@ -250,6 +255,8 @@ class ReplicaSync:
             rates = {m: r for m, r in self.critical_rates().items() if r >= MIN_RATE}
             if rates:
                 message["k"] = rates
+        if waiting:
+            message["w"] = waiting
         if self._send_fingerprint:
             self._send_fingerprint = False
             message["a"] = self._fingerprint
@@ -263,7 +270,12 @@ class ReplicaSync:
             message["u"] = {key: [[RESET]] for key in updates}
             data = msgpack.packb(message)
         self._last_counts = counts
+        self._last_waiting = waiting
         return self._sign(data, MESSAGE_CONTEXT)
+
+    def news(self) -> None:
+        """Something to publish besides in-flight changes (the admission queue changed)."""
+        self._wake.set()
 
     def _sign(self, payload: bytes, context: bytes) -> bytes:
         return payload if self.key is None else payload + _tag(self.key, context, payload)
@@ -393,6 +405,7 @@ class ReplicaSync:
         self._seen_seq[origin] = (seq, float(sent_at))
         self.remote.update(origin, own_counts)
         self.remote.update_critical(origin, self._checked_rates(message.get("k")))
+        self.remote.update_waiting(origin, self._checked_waiting(message.get("w")))
         for key, records in updates.items():
             plugin = self.plugins.get(key) if isinstance(key, str) else None
             if plugin is None:
@@ -450,6 +463,30 @@ class ReplicaSync:
             else:
                 bad += 1
         self._reject("rate", bad)
+        return out
+
+    def _checked_waiting(self, waiting: object) -> dict[str, int]:
+        """A peer's standard waiters by model ("w"; absent: none), entry by entry as `_checked_rates`
+        (counts: ints in [0, MAX_COUNT])."""
+        if waiting is None:
+            return {}
+        if not isinstance(waiting, dict) or len(waiting) > MAX_RATE_MODELS:
+            self._reject("waiting")
+            return {}
+        out: dict[str, int] = {}
+        bad = 0
+        for model, n in waiting.items():
+            if (
+                isinstance(model, str)
+                and 0 < len(model) <= MAX_MODEL_CHARS
+                and is_int(n)
+                and 0 <= n <= MAX_COUNT
+            ):
+                if n:
+                    out[model] = n
+            else:
+                bad += 1
+        self._reject("waiting", bad)
         return out
 
     def _forget_pins(self, origin: str) -> None:

@@ -297,7 +297,7 @@ class Metrics:
             "Replica sync data dropped before it was applied, by reason: whole messages or state "
             "dumps (size, undecodable, signature, version, malformed, time, replay, origins, "
             "too_many, error) and single entries or records (unknown_upstream, count, record, time, "
-            "unknown_plugin, rate).",
+            "unknown_plugin, rate, waiting).",
             ["reason"],
             registry=self.registry,
         )

@@ -257,6 +257,8 @@ class ExtprocPolicy:
                 remote = RemoteInFlight(config.sync.expire_s, clock=clock)
                 replica.lifecycle.state.share(remote)
                 replica.lifecycle.admission.peer_critical_rate = remote.critical_rate
+                replica.lifecycle.admission.peer_waiting = remote.waiting
+                replica.lifecycle.admission.on_queue_change = replica.mark
                 replica.sync = ReplicaSync(
                     f"r{r}",
                     config.profiles,
@@ -266,6 +268,7 @@ class ExtprocPolicy:
                     config.sync,
                     clock=clock,
                     critical_rates=replica.lifecycle.admission.own_critical_rates,
+                    waiting=replica.lifecycle.admission.own_waiting,
                 )
                 replica.lifecycle.inflight.watch(replica.mark)
             self.replicas.append(replica)
