@@ -456,6 +456,37 @@ async def test_two_services_route_as_one_through_redis(services: list[RunningSer
     assert b.metrics.registry.get_sample_value("llm_extproc_sync_remote_replicas") == 0
 
 
+async def test_two_services_share_critical_rates_and_standard_waiters(services: list[RunningService]) -> None:
+    """Through a real Redis, as server/app.py wires them: a replica's critical arrivals count in the
+    other's places kept, and its standard waiters make the other shed sheddable requests."""
+    from extproc.openai import InferenceRequest
+
+    a, b = services
+    for _ in range(10):
+        a.lifecycle.admission._count_critical("m")
+    assert await until(lambda: b.lifecycle.admission.critical_rate("m") > 0)
+    assert b.lifecycle.admission.own_critical_rate("m") == 0
+    waiter = InferenceRequest(
+        api="chat",  # type: ignore[arg-type]
+        model="m",
+        stream=False,
+        max_tokens=4,
+        prompt_text="hello",
+        prompt_token_ids=None,
+        session=None,
+        user="u1",
+        priority=0,
+        body_bytes=10,
+    )
+    assert a.sync is not None and a.lifecycle.admission.on_queue_change == a.sync.news  # at once
+    queued = a.lifecycle.admission.enqueue(waiter, lambda err: None)
+    peer_waiting = b.lifecycle.admission.peer_waiting
+    assert peer_waiting is not None
+    assert await until(lambda: peer_waiting("m") == 1)
+    a.lifecycle.admission.abandon(queued)
+    assert await until(lambda: peer_waiting("m") == 0)
+
+
 async def test_a_late_service_loads_the_shared_state(redis_server: RedisProcess) -> None:
     await put_snapshots(redis_server.url)
     first = await start(config_from_dict(service_config(redis_server.url)))
