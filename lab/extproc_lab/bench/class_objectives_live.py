@@ -2,7 +2,7 @@
 loopback (Envoy, the service, Redis, the publisher, simulated engines).
 
     python -m extproc_lab.bench.class_objectives_live [--cell s6-a10g] [--count 600] [--time-scale 2]
-        [--loads 0.5,1,1.2,1.6,2] [--out out/classes-live]
+        [--loads 0.5,1,1.2,1.6,2] [--replicas 1] [--out out/classes-live]
 
 The workload and engines are the discrete-event bench's (`extproc_lab.bench.classes`: 8-sequence
 batches, 600 KV blocks, 16 tenants' 1.2k-token prompts, 20 / 50 / 30 % critical / standard /
@@ -65,6 +65,7 @@ class LiveConfig:
     capacity_rps: float | None = None
     time_scale: float = 2.0
     warmup: float = 0.1
+    replicas: int = 1  # llm-extproc `serve` processes behind Envoy, sharing state through Redis
     slo: Slo = field(default_factory=lambda: Slo(ttft_s=2.0, tpot_s=10.0))
 
 
@@ -114,6 +115,7 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
                 headers=list(wl.headers),
                 max_num_seqs=row == CONFIGURED,
                 service_metrics=samples,
+                replicas=cfg.replicas if policy == "llm-extproc" else 1,
             )
             if ran is None:
                 skipped[row] = "could not start"
@@ -138,6 +140,7 @@ async def run_live(cfg: LiveConfig, out_dir: Path, progress: Any = print) -> dic
             "slo_ttft_s": cfg.slo.ttft_s,
             "admission": SHIPPED_ADMISSION,
             "time_scale": cfg.time_scale,
+            "replicas": cfg.replicas,
             "mode": f"live: Envoy, the service, Redis, simulated engines; time scale {cfg.time_scale:g}",
         },
         "capacity_rps": capacity,
@@ -248,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--capacity", type=float, default=None)
     ap.add_argument("--time-scale", type=float, default=2.0)
+    ap.add_argument("--replicas", type=int, default=1, help="llm-extproc replicas (replica sync on)")
     ap.add_argument("--out", type=Path, default=Path("out/classes-live"))
     args = ap.parse_args(argv)
     cfg = LiveConfig(
@@ -258,7 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows=tuple(r for r in args.rows.split(",") if r),
         capacity_rps=args.capacity,
         time_scale=args.time_scale,
+        replicas=args.replicas,
     )
+    if args.replicas < 1:
+        ap.error("--replicas must be at least 1")
     result = asyncio.run(run_live(cfg, args.out))
     print(markdown(result))
     return 0
