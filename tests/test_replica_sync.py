@@ -459,25 +459,14 @@ async def test_two_services_route_as_one_through_redis(services: list[RunningSer
 async def test_two_services_share_critical_rates_and_standard_waiters(services: list[RunningService]) -> None:
     """Through a real Redis, as server/app.py wires them: a replica's critical arrivals count in the
     other's places kept, and its standard waiters make the other shed sheddable requests."""
-    from extproc.openai import InferenceRequest
+    from builders import chat_request
 
     a, b = services
     for _ in range(10):
         a.lifecycle.admission._count_critical("m")
     assert await until(lambda: b.lifecycle.admission.critical_rate("m") > 0)
     assert b.lifecycle.admission.own_critical_rate("m") == 0
-    waiter = InferenceRequest(
-        api="chat",  # type: ignore[arg-type]
-        model="m",
-        stream=False,
-        max_tokens=4,
-        prompt_text="hello",
-        prompt_token_ids=None,
-        session=None,
-        user="u1",
-        priority=0,
-        body_bytes=10,
-    )
+    waiter = chat_request(user="u1")  # standard
     assert a.sync is not None and a.lifecycle.admission.on_queue_change == a.sync.news  # at once
     queued = a.lifecycle.admission.enqueue(waiter, lambda err: None)
     peer_waiting = b.lifecycle.admission.peer_waiting

@@ -442,51 +442,31 @@ class ReplicaSync:
         return out
 
     def _checked_rates(self, rates: object) -> dict[str, float]:
-        """A peer's critical arrival rates by model ("k"; absent: none), entry by entry: a model name
-        of at most MAX_MODEL_CHARS characters, a finite rate in [0, MAX_RATE]; not a map, or more
-        than MAX_RATE_MODELS entries, drops the field (never the message)."""
-        if rates is None:
-            return {}
-        if not isinstance(rates, dict) or len(rates) > MAX_RATE_MODELS:
-            self._reject("rate")
-            return {}
-        out: dict[str, float] = {}
-        bad = 0
-        for model, rate in rates.items():
-            if (
-                isinstance(model, str)
-                and 0 < len(model) <= MAX_MODEL_CHARS
-                and _number(rate)
-                and 0.0 <= rate <= MAX_RATE
-            ):
-                out[model] = float(rate)
-            else:
-                bad += 1
-        self._reject("rate", bad)
-        return out
+        """A peer's critical arrival rates by model ("k"; absent: none): finite, in [0, MAX_RATE]."""
+        return self._checked_by_model(rates, "rate", lambda v: _number(v) and 0.0 <= v <= MAX_RATE)
 
     def _checked_waiting(self, waiting: object) -> dict[str, int]:
-        """A peer's standard waiters by model ("w"; absent: none), entry by entry as `_checked_rates`
-        (counts: ints in [0, MAX_COUNT])."""
-        if waiting is None:
+        """A peer's standard waiters by model ("w"; absent: none): ints in [0, MAX_COUNT]."""
+        return self._checked_by_model(waiting, "waiting", lambda v: is_int(v) and 0 <= v <= MAX_COUNT)
+
+    def _checked_by_model(self, values: object, reason: str, valid: Callable[[Any], bool]) -> dict[str, Any]:
+        """A per-model map from a peer, entry by entry: a model name of at most MAX_MODEL_CHARS
+        characters and a `valid` value, zeros left out; not a map, or more than MAX_RATE_MODELS
+        entries, drops the field (never the message). Drops are counted under `reason`."""
+        if values is None:
             return {}
-        if not isinstance(waiting, dict) or len(waiting) > MAX_RATE_MODELS:
-            self._reject("waiting")
+        if not isinstance(values, dict) or len(values) > MAX_RATE_MODELS:
+            self._reject(reason)
             return {}
-        out: dict[str, int] = {}
+        out: dict[str, Any] = {}
         bad = 0
-        for model, n in waiting.items():
-            if (
-                isinstance(model, str)
-                and 0 < len(model) <= MAX_MODEL_CHARS
-                and is_int(n)
-                and 0 <= n <= MAX_COUNT
-            ):
-                if n:
-                    out[model] = n
+        for model, value in values.items():
+            if isinstance(model, str) and 0 < len(model) <= MAX_MODEL_CHARS and valid(value):
+                if value:
+                    out[model] = value
             else:
                 bad += 1
-        self._reject("waiting", bad)
+        self._reject(reason, bad)
         return out
 
     def _forget_pins(self, origin: str) -> None:
