@@ -858,3 +858,12 @@ def test_a_limits_source_says_what_admission_counts_on() -> None:
     assert b.source("e") == (5, "sequence_cap")
     b.take("p", Snap(2, 0, 2.5, max_num_seqs=8))
     assert b.source("p") == (8, "published")
+
+
+def test_the_class_benches_refuse_fewer_than_one_replica() -> None:
+    from extproc_lab.bench.class_objectives_live import main as live_main
+    from extproc_lab.discrete_event.class_objectives import main
+
+    for run in (main, live_main):
+        with pytest.raises(SystemExit):
+            run(["--replicas", "0", "--loads", "0.5", "--count", "10"])

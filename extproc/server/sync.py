@@ -93,9 +93,10 @@ FINGERPRINT_K = 32  # hashes per plugin and upstream in an agreement sketch
 FINGERPRINT_BYTE = 32  # of 256: the share of held hashes the sketch samples from (1/8)
 FINGERPRINT_HASH_BYTES = 8  # a prefix of each hash is enough to compare
 MAX_FINGERPRINT_UPSTREAMS = 4096
-# Critical arrival rates ("k"): admission keeps places for the whole fleet's critical traffic, and
-# each replica sees only its share (lifecycle/admission.py, `critical_rate`).
-MAX_RATE_MODELS = 1024  # more models in one message: the field is dropped
+# Per-model fields: critical arrival rates ("k": admission keeps places for the whole fleet's critical
+# traffic, and each replica sees only its share) and standard waiters ("w": sheddable requests are
+# shed while any replica's wait); lifecycle/admission.py.
+MAX_MODEL_ENTRIES = 1024  # more models in one field: the field is dropped
 MAX_RATE = 1e6  # requests per second; above it an entry is not believed
 MAX_MODEL_CHARS = 256
 MIN_RATE = 1e-3  # a rate decayed below this is not sent (a model that had critical traffic once)
@@ -451,11 +452,11 @@ class ReplicaSync:
 
     def _checked_by_model(self, values: object, reason: str, valid: Callable[[Any], bool]) -> dict[str, Any]:
         """A per-model map from a peer, entry by entry: a model name of at most MAX_MODEL_CHARS
-        characters and a `valid` value, zeros left out; not a map, or more than MAX_RATE_MODELS
+        characters and a `valid` value, zeros left out; not a map, or more than MAX_MODEL_ENTRIES
         entries, drops the field (never the message). Drops are counted under `reason`."""
         if values is None:
             return {}
-        if not isinstance(values, dict) or len(values) > MAX_RATE_MODELS:
+        if not isinstance(values, dict) or len(values) > MAX_MODEL_ENTRIES:
             self._reject(reason)
             return {}
         out: dict[str, Any] = {}
