@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gateway_stack import Stack
 
 MODEL = "sim-llama"
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """A test that runs a CLI in-process (setup_logging) under capsys leaves a handler on a stream that
+    pytest closes: later tests' log lines would fail to print. Put the root logger back after each."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="module")

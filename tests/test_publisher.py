@@ -909,3 +909,23 @@ def test_a_bad_max_num_seqs_is_a_config_error_naming_the_key(bad: Any) -> None:
         instance_from_dict({"cluster": "c", "address": "10.0.0.7:8000", "max_num_seqs": 256}).max_num_seqs
         == 256
     )
+
+
+def test_a_failed_metrics_scrape_after_a_good_reading_stays_ready_with_load_unknown() -> None:
+    p = publisher()
+    prev = _Previous()
+    assert p.snapshot(SPEC, 200, load(), prev).readiness == spb.READY
+    snap = p.snapshot(SPEC, 200, None, prev, detail="timeout")
+    assert (snap.readiness, snap.readiness_reason) == (spb.READY, "timeout")
+    st = decode(snap.SerializeToString(), frozenset({"gpu-a"}))
+    assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (None, None, None)
+    # Once the last reading is older than the TTL, the instance is out of rotation as before.
+    assert prev.loaded_at is not None
+    prev.loaded_at -= p.config.ttl_ms / 1000 + 0.1
+    snap = p.snapshot(SPEC, 200, None, prev, detail="timeout")
+    assert (snap.readiness, snap.readiness_reason) == (spb.WARMING_UP, "timeout")
+    # Never read before, an answering /health is not enough; an unhealthy one never is.
+    assert p.snapshot(SPEC, 200, None, _Previous(), detail="timeout").readiness == spb.WARMING_UP
+    fresh = _Previous()
+    p.snapshot(SPEC, 200, load(), fresh)
+    assert p.snapshot(SPEC, 503, None, fresh, detail="timeout").readiness == spb.DRAINING

@@ -461,7 +461,8 @@ class Publisher:
         detail: str = "",
     ) -> spb.UpstreamSnapshot:
         """The snapshot for one scrape. Values out of range are left out (unknown) and counted; an
-        instance with no load signal at all is not READY: unknown load must never look idle."""
+        instance with no load signal is not READY (unknown load must never look idle), but for a
+        failed /metrics within a TTL of a good reading: READY, every load field unknown."""
         uid = spec.upstream_id
         self.sequence += 1
         snap = spb.UpstreamSnapshot(
@@ -496,6 +497,11 @@ class Publisher:
             snap.readiness, snap.readiness_reason = spb.DRAINING, "draining"
         elif health == 200 and load is not None and signal:
             snap.readiness = spb.READY
+            prev.loaded_at = time.monotonic()
+        elif health == 200 and load is None and self._reading_recent(prev):
+            # A busy engine's /metrics can miss one deadline while it serves fine: still READY, its
+            # load unknown (readers estimate it), rather than out of rotation for a whole interval.
+            snap.readiness, snap.readiness_reason = spb.READY, detail or "no_metrics"
         else:
             if health != 200:
                 reason = f"health_status_{health}"
@@ -507,6 +513,10 @@ class Publisher:
             snap.readiness_reason = reason
         prev.ready_seen = prev.ready_seen or snap.readiness == spb.READY
         return snap
+
+    def _reading_recent(self, prev: _Previous) -> bool:
+        """A load reading no older than the snapshot TTL: as fresh as a snapshot readers still use."""
+        return prev.loaded_at is not None and time.monotonic() - prev.loaded_at <= self.config.ttl_ms / 1000
 
     async def publish(self, client: Any, snap: spb.UpstreamSnapshot, started: float | None = None) -> bool:
         """SET with the TTL and PUBLISH, stamped now; bounded so a hung Redis cannot hold the task."""

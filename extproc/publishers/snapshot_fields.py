@@ -35,6 +35,7 @@ class _Previous:
 
     ready_seen: bool = False
     readiness: int | None = None  # the last published state, to log changes
+    loaded_at: float | None = None  # time.monotonic() of the last READY snapshot with a load reading
     ttft: tuple[float, float] | None = None
     tpot: tuple[float, float] | None = None
     prefix: tuple[float, float] | None = None
