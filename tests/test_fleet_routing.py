@@ -153,6 +153,23 @@ async def test_not_ready_instance_receives_nothing(fleet: Fleet) -> None:
     assert warming.name in await fleet.served_by(20)
 
 
+async def test_slow_metrics_page_keeps_a_healthy_engine_in_rotation_for_one_ttl(fleet: Fleet) -> None:
+    slow = fleet.engines.engines[0]
+    slow.metrics_delay_s = 3 * fleet.publisher.config.scrape_deadline_s  # /health answers; /metrics is late
+    uid = fleet.publisher.instances[0].upstream_id
+    await fleet.next_publish()
+    metrics = fleet.publisher.metrics
+    assert metrics.value("llm_extproc_publisher_scrapes_total", upstream=uid, outcome="timeout") >= 1
+    assert slow.name in await fleet.served_by(12)  # READY, its load unknown: not a 503, not skipped
+    # A TTL without a reading: out of rotation, the other engine serves everything.
+    await asyncio.sleep(TTL)
+    await fleet.next_publish()
+    assert await fleet.served_by(8) == Counter({fleet.engines.engines[1].name: 8})
+    slow.metrics_delay_s = 0.0
+    await fleet.next_publish(2)
+    assert slow.name in await fleet.served_by(20)
+
+
 async def test_new_instance_used_once_its_first_snapshot_arrives(
     fleet_engines: EngineGroup, redis_server: RedisProcess, tmp_path: Path
 ) -> None:

@@ -69,6 +69,7 @@ class EngineGroup:
             e.stats.requests = e.stats.completed = e.stats.disconnected = e.stats.max_active = 0
             e.stats.hung_requests = 0
             e.hung = False
+            e.metrics_delay_s = 0.0
             e.stats.routing_headers.clear()
             e.stats.priorities.clear()
 

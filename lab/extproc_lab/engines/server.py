@@ -197,6 +197,7 @@ class SimEngine:
         # While True every request (health and metrics included) is accepted and never answered: a
         # wedged engine process. /sim/stats still answers, for tests.
         self.hung = False
+        self.metrics_delay_s = 0.0  # /metrics answers this much later (a busy engine's slow page)
         self._slots: asyncio.Semaphore | None = asyncio.Semaphore(max_batch) if max_batch > 0 else None
         self.model = model
         self.token_delay_s = token_delay_s
@@ -568,6 +569,8 @@ class SimEngine:
         return web.Response(text="ok")
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_delay_s > 0:
+            await asyncio.sleep(self.metrics_delay_s)
         return web.Response(
             body=generate_latest(self.registry), headers={"content-type": CONTENT_TYPE_LATEST}
         )
