@@ -493,6 +493,12 @@ def _redis_hint(exc: BaseException) -> str:
             "Redis's TLS certificate is not from a CA this machine trusts: set `fleet.tls_ca_file` to "
             "the CA that signed it (and check the host name or IP in `fleet.url` is in the certificate)"
         )
+    if isinstance(exc, MasterNotFoundError):
+        return (
+            "no Sentinel named the master: check the Sentinels' addresses and the master name in "
+            "`fleet.url`, and that TLS matches theirs (`fleet.sentinel_tls`: true for Sentinels on a "
+            "TLS port, false for plain Sentinels in front of TLS data nodes)"
+        )
     return "start Redis or fix `fleet.url` / --redis"
 
 

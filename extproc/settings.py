@@ -585,6 +585,8 @@ class RedisSettings:
     # username/password: Helm charts with auth on protect both, often with the same password.
     sentinel_username: str | None = None
     sentinel_password: str | None = None
+    # TLS to the Sentinels themselves; None: as to the data nodes (rediss+sentinel://)
+    sentinel_tls: bool | None = setting(None, Check("boolean", nullable=True))
     cluster: bool = setting(False, Check("boolean"))
 
     @property
@@ -719,6 +721,11 @@ def redis_settings(
         raise ConfigError(
             f"{where}: sentinel_username / sentinel_password are for Sentinel (redis+sentinel:// or "
             "'sentinels'); the data nodes' credentials are username / password"
+        )
+    if topology.kind != "sentinel" and settings.sentinel_tls is not None:
+        raise ConfigError(
+            f"{where}: sentinel_tls is for Sentinel (redis+sentinel:// or 'sentinels'); TLS to one "
+            "server or a Cluster is the URL's rediss:// scheme"
         )
     if settings.password is None and password_env is not None:
         settings.password = os.environ.get(password_env) or None

@@ -1,17 +1,20 @@
 """Redis over TLS (`rediss://` with `tls_ca_file`, docs/fleet-state.md), against a real redis-server
 serving only a TLS port with a certificate from the tests' own CA: the service's feed reads snapshots
 and follows the channel through it, and a certificate the client cannot verify is refused with a
-hint that names the setting."""
+hint that names the setting. Sentinel too: a Sentinel serving only a TLS port, which
+`rediss+sentinel://` reaches over TLS (and `sentinel_tls: false` does not)."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 from certs import Certs, make_certs
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from extproc.config import config_from_dict
@@ -22,7 +25,7 @@ from extproc.fleet.redis_feed import RedisFeed, redis_client
 from extproc.settings import RedisSettings
 from extproc.telemetry import Metrics
 from extproc_lab.stack import RedisProcess
-from extproc_lab.stack.processes import free_port
+from extproc_lab.stack.processes import free_port, wait_port
 
 pytestmark = pytest.mark.integration
 PASSWORD = "tls-pw"
@@ -51,6 +54,49 @@ def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
     server = RedisProcess(folder / "redis.log", port=port, password=PASSWORD, extra_args=tls).start()
     yield TlsRedis(server, certs)
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_sentinel(tls_redis: TlsRedis) -> Iterator[str]:
+    """One Sentinel (quorum 1) on a TLS-only port, watching the TLS-only server over TLS; its
+    rediss+sentinel:// URL."""
+    folder = tls_redis.server.log_path.parent
+    port = free_port()
+    certs = tls_redis.certs
+    conf = folder / f"sentinel-{port}.conf"
+    conf.write_text(
+        f"port 0\ntls-port {port}\nbind 127.0.0.1\ndir {folder}\n"
+        f"tls-cert-file {certs.server.cert}\ntls-key-file {certs.server.key}\n"
+        f"tls-ca-cert-file {certs.ca}\ntls-auth-clients no\ntls-replication yes\n"
+        f"sentinel monitor fleet 127.0.0.1 {tls_redis.server.port} 1\n"
+        f"sentinel auth-pass fleet {PASSWORD}\n"
+    )
+    with (folder / f"sentinel-{port}.log").open("ab") as log:
+        proc = subprocess.Popen([tls_redis.server.binary, str(conf), "--sentinel"], stdout=log, stderr=log)
+    try:
+        wait_port("127.0.0.1", port, 10)
+        yield f"rediss+sentinel://:{PASSWORD}@127.0.0.1:{port}/fleet/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def test_sentinels_on_a_tls_port_are_reached_over_tls(tls_sentinel: str, tls_redis: TlsRedis) -> None:
+    ca = str(tls_redis.certs.ca)
+    client = redis_client(RedisSettings(url=tls_sentinel, tls_ca_file=ca))
+    try:
+        await client.set("sentinel-tls", b"1")
+        assert await client.get("sentinel-tls") == b"1"  # the master named by a TLS-only Sentinel
+    finally:
+        await client.aclose()
+    # Told the Sentinels are plain TCP, the client cannot ask them: no master (the setting is used).
+    plain = redis_client(RedisSettings(url=tls_sentinel, tls_ca_file=ca, sentinel_tls=False))
+    try:
+        with pytest.raises(MasterNotFoundError) as err:
+            await plain.ping()
+    finally:
+        await plain.aclose()
+    assert "fleet.sentinel_tls" in _redis_hint(err.value)
 
 
 def snapshot(seq: int, waiting: int) -> spb.UpstreamSnapshot:

@@ -58,6 +58,16 @@ def test_sentinel_url_and_keys() -> None:
     assert redis_topology(by_keys).nodes == (("h1", 26379),)
 
 
+def test_sentinel_tls_follows_the_data_nodes_unless_set_and_is_only_for_sentinel() -> None:
+    assert redis_settings({"url": "rediss+sentinel://h1:26379/m/0"}, "fleet").sentinel_tls is None
+    s = redis_settings({"url": "rediss+sentinel://h1:26379/m/0", "sentinel_tls": False}, "fleet")
+    assert s.sentinel_tls is False and redis_topology(s).tls  # data nodes TLS, Sentinels plain
+    with pytest.raises(ConfigError, match="sentinel_tls is for Sentinel"):
+        redis_settings({"url": "rediss://h1:6379/0", "sentinel_tls": True}, "fleet")
+    with pytest.raises(ConfigError, match="sentinel_tls"):
+        redis_settings({"url": "redis+sentinel://h1:26379/m/0", "sentinel_tls": "yes"}, "fleet")
+
+
 def test_sentinels_have_their_own_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Sentinels' password and ACL user are apart from the data nodes' (Helm charts with auth
     on protect both); from the YAML (a quoted string, never echoed) or the environment."""

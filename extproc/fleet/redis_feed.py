@@ -80,6 +80,10 @@ def _sentinel_master(settings: RedisSettings, topology: RedisTopology) -> aiored
         own["username"] = settings.sentinel_username
     if settings.sentinel_password:
         own["password"] = settings.sentinel_password
+    if topology.tls if settings.sentinel_tls is None else settings.sentinel_tls:
+        own["ssl"] = True
+        if settings.tls_ca_file:
+            own["ssl_ca_certs"] = settings.tls_ca_file
     sentinel = Sentinel(list(topology.nodes), sentinel_kwargs=own)
     assert topology.master_name is not None  # redis_topology checked it
     # Every new connection asks the Sentinels for the current master, so a failover is followed by
