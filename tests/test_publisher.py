@@ -919,6 +919,14 @@ def test_a_failed_metrics_scrape_after_a_good_reading_stays_ready_with_load_unkn
     assert (snap.readiness, snap.readiness_reason) == (spb.READY, "timeout")
     st = decode(snap.SerializeToString(), frozenset({"gpu-a"}))
     assert (st.num_running, st.num_waiting, st.kv_cache_usage) == (None, None, None)
+    # What the engine said of itself is kept: models (from its own series here), adapters, limits.
+    bare = InstanceSpec(cluster="gpu-a", address="10.0.0.6:8000")
+    known = _Previous()
+    p.snapshot(bare, 200, load(lora_adapters=["ad"], max_num_seqs=64, max_lora=2, max_model_len=8192), known)
+    kept = p.snapshot(bare, 200, None, known, detail="timeout")
+    assert (list(kept.models), list(kept.lora_adapters)) == (["from-load"], ["ad"])
+    assert (kept.max_num_seqs, kept.max_lora, kept.max_model_len) == (64, 2, 8192)
+    assert not kept.HasField("num_running") and kept.kv_blocks_total == 0
     # Once the last reading is older than the TTL, the instance is out of rotation as before.
     assert prev.loaded_at is not None
     prev.loaded_at -= p.config.ttl_ms / 1000 + 0.1

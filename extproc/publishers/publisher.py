@@ -66,6 +66,21 @@ from extproc.settings import (
 log = logging.getLogger("extproc.publisher")
 
 
+def _carry_engine_facts(snap: spb.UpstreamSnapshot, last: spb.UpstreamSnapshot) -> None:
+    """What the last reading said of the engine rather than its load: the models and adapters it
+    serves (without them it would serve nothing) and its limits. The KV capacity stays unknown (its
+    free blocks would be a load figure); readers keep the capacity they had."""
+    if not snap.models:
+        snap.models.extend(last.models)
+    if not snap.lora_adapters:
+        snap.lora_adapters.extend(last.lora_adapters)
+    for name in ("max_lora", "max_num_seqs"):
+        if not snap.HasField(name) and last.HasField(name):
+            setattr(snap, name, getattr(last, name))
+    snap.max_model_len = snap.max_model_len or last.max_model_len
+    snap.gpu_model = snap.gpu_model or last.gpu_model
+
+
 class Publisher:
     """Runs one scrape-and-publish task per instance; `instances` may change while it runs (Envoy
     discovery replaces it, callers may append) and tasks follow within one interval."""
@@ -497,11 +512,12 @@ class Publisher:
             snap.readiness, snap.readiness_reason = spb.DRAINING, "draining"
         elif health == 200 and load is not None and signal:
             snap.readiness = spb.READY
-            prev.loaded_at = time.monotonic()
-        elif health == 200 and load is None and self._reading_recent(prev):
+            prev.loaded_at, prev.last_read = time.monotonic(), snap
+        elif health == 200 and load is None and prev.last_read is not None and self._reading_recent(prev):
             # A busy engine's /metrics can miss one deadline while it serves fine: still READY, its
             # load unknown (readers estimate it), rather than out of rotation for a whole interval.
             snap.readiness, snap.readiness_reason = spb.READY, detail or "no_metrics"
+            _carry_engine_facts(snap, prev.last_read)
         else:
             if health != 200:
                 reason = f"health_status_{health}"

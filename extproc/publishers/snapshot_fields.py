@@ -36,6 +36,9 @@ class _Previous:
     ready_seen: bool = False
     readiness: int | None = None  # the last published state, to log changes
     loaded_at: float | None = None  # time.monotonic() of the last READY snapshot with a load reading
+    # and that snapshot: what it said of the engine itself (models, adapters, limits) outlives a failed
+    # /metrics within the TTL
+    last_read: spb.UpstreamSnapshot | None = None
     ttft: tuple[float, float] | None = None
     tpot: tuple[float, float] | None = None
     prefix: tuple[float, float] | None = None
