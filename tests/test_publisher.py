@@ -4,6 +4,7 @@ snapshot, configuration, and one publish tick against a simulated engine and a f
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -937,3 +938,23 @@ def test_a_failed_metrics_scrape_after_a_good_reading_stays_ready_with_load_unkn
     fresh = _Previous()
     p.snapshot(SPEC, 200, load(), fresh)
     assert p.snapshot(SPEC, 503, None, fresh, detail="timeout").readiness == spb.DRAINING
+
+
+def test_readiness_changes_are_logged_once_load_unknown_included(caplog: pytest.LogCaptureFixture) -> None:
+    p = publisher()
+    prev = p._prev.setdefault(SPEC.upstream_id, _Previous())
+    caplog.set_level(logging.INFO, logger="extproc.publisher")
+    for health, ld, detail in [
+        (200, load(), ""),
+        (200, load(), ""),
+        (200, None, "timeout"),
+        (200, None, "timeout"),
+        (200, load(), ""),
+    ]:
+        p._log_change(SPEC, p.snapshot(SPEC, health, ld, prev, detail=detail))
+    lines = [(r.levelno, r.getMessage().split(": ", 1)[1]) for r in caplog.records]
+    assert lines == [
+        (logging.INFO, "NEW -> READY"),
+        (logging.WARNING, "READY -> READY, load unknown (timeout)"),
+        (logging.INFO, "READY, load unknown -> READY"),
+    ]

@@ -66,6 +66,10 @@ from extproc.settings import (
 log = logging.getLogger("extproc.publisher")
 
 
+def _state_name(readiness: int, blind: bool) -> str:
+    return "READY, load unknown" if blind else spb.Readiness.Name(readiness)
+
+
 def _carry_engine_facts(snap: spb.UpstreamSnapshot, last: spb.UpstreamSnapshot) -> None:
     """What the last reading said of the engine rather than its load: the models and adapters it
     serves (without them it would serve nothing) and its limits. The KV capacity stays unknown (its
@@ -335,16 +339,18 @@ class Publisher:
         )
 
     def _log_change(self, spec: InstanceSpec, snap: spb.UpstreamSnapshot) -> None:
-        """One line per readiness change of an instance (first state included), with the reason."""
+        """One line per readiness change of an instance (first state included), with the reason; READY
+        with the load unknown (a failed /metrics) counts as a state of its own."""
         prev = self._prev.setdefault(spec.upstream_id, _Previous())
-        if prev.readiness == snap.readiness:
+        blind = snap.readiness == spb.READY and bool(snap.readiness_reason)
+        if prev.readiness == snap.readiness and prev.blind == blind:
             return
-        before = "NEW" if prev.readiness is None else spb.Readiness.Name(prev.readiness)
-        state = spb.Readiness.Name(snap.readiness)
-        prev.readiness = snap.readiness
+        before = "NEW" if prev.readiness is None else _state_name(prev.readiness, prev.blind)
+        state = _state_name(snap.readiness, blind)
+        prev.readiness, prev.blind = snap.readiness, blind
         reason = f" ({snap.readiness_reason})" if snap.readiness_reason else ""
         log.log(
-            logging.INFO if snap.readiness == spb.READY else logging.WARNING,
+            logging.INFO if snap.readiness == spb.READY and not blind else logging.WARNING,
             "%s (%s at %s): %s -> %s%s",
             spec.upstream_id,
             spec.engine,

@@ -35,6 +35,7 @@ class _Previous:
 
     ready_seen: bool = False
     readiness: int | None = None  # the last published state, to log changes
+    blind: bool = False  # and whether it was READY with the load unknown
     loaded_at: float | None = None  # time.monotonic() of the last READY snapshot with a load reading
     # and that snapshot: what it said of the engine itself (models, adapters, limits) outlives a failed
     # /metrics within the TTL
