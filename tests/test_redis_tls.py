@@ -16,6 +16,7 @@ import pytest
 from certs import Certs, make_certs
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis_errors import ping_error
 
 from extproc.config import config_from_dict
 from extproc.doctor import _redis_hint
@@ -90,13 +91,8 @@ async def test_sentinels_on_a_tls_port_are_reached_over_tls(tls_sentinel: str, t
     finally:
         await client.aclose()
     # Told the Sentinels are plain TCP, the client cannot ask them: no master (the setting is used).
-    plain = redis_client(RedisSettings(url=tls_sentinel, tls_ca_file=ca, sentinel_tls=False))
-    try:
-        with pytest.raises(MasterNotFoundError) as err:
-            await plain.ping()
-    finally:
-        await plain.aclose()
-    assert "fleet.sentinel_tls" in _redis_hint(err.value)
+    plain = RedisSettings(url=tls_sentinel, tls_ca_file=ca, sentinel_tls=False)
+    assert "fleet.sentinel_tls" in _redis_hint(await ping_error(plain, MasterNotFoundError))
 
 
 def snapshot(seq: int, waiting: int) -> spb.UpstreamSnapshot:
@@ -142,15 +138,11 @@ async def test_the_feed_reads_and_follows_snapshots_over_tls(tls_redis: TlsRedis
 
 
 async def test_a_certificate_the_client_cannot_verify_is_refused_with_a_hint(tls_redis: TlsRedis) -> None:
-    client = redis_client(RedisSettings(url=tls_redis.url))  # no tls_ca_file: the system's CAs only
-    try:
-        with pytest.raises(RedisConnectionError) as err:
-            await client.ping()
-    finally:
-        await client.aclose()
-    assert "CERTIFICATE_VERIFY_FAILED" in str(err.value)
-    assert "fleet.tls_ca_file" in _redis_hint(err.value)
-    assert PASSWORD not in str(err.value)
+    # no tls_ca_file: the system's CAs only
+    err = await ping_error(RedisSettings(url=tls_redis.url), RedisConnectionError)
+    assert "CERTIFICATE_VERIFY_FAILED" in str(err)
+    assert "fleet.tls_ca_file" in _redis_hint(err)
+    assert PASSWORD not in str(err)
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]

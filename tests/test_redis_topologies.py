@@ -17,6 +17,7 @@ import pytest
 from gateway_stack import MODEL, Stack, service_config, wait_until
 from redis.asyncio.sentinel import MasterNotFoundError
 from redis.exceptions import AuthenticationError
+from redis_errors import ping_error
 
 from extproc.doctor import _redis_hint
 from extproc.fleet.redis_feed import redis_client, redis_pubsub_client, write_and_publish
@@ -188,21 +189,11 @@ async def test_sentinels_with_a_password_of_their_own(sentinel_with_auth: Sentin
     with both; without the Sentinels' the master is not found and doctor names the setting."""
     s = sentinel_with_auth
     await _round_trip(s.url, sentinel_password="sentinel-pw")
-    client = redis_client(RedisSettings(url=s.url, pool="rt"))
-    try:
-        with pytest.raises(MasterNotFoundError) as err:
-            await client.ping()
-    finally:
-        await client.aclose()
-    assert "sentinel-pw" not in str(err.value) and "data-pw" not in str(err.value)
-    assert "fleet.sentinel_password" in _redis_hint(err.value)
-    wrong = redis_client(RedisSettings(url=s.url.replace("data-pw", "nope"), sentinel_password="sentinel-pw"))
-    try:
-        with pytest.raises(AuthenticationError) as bad:
-            await wrong.ping()
-    finally:
-        await wrong.aclose()
-    assert "fleet.password" in _redis_hint(bad.value)
+    err = await ping_error(RedisSettings(url=s.url, pool="rt"), MasterNotFoundError)
+    assert "sentinel-pw" not in str(err) and "data-pw" not in str(err)
+    assert "fleet.sentinel_password" in _redis_hint(err)
+    wrong = RedisSettings(url=s.url.replace("data-pw", "nope"), sentinel_password="sentinel-pw")
+    assert "fleet.password" in _redis_hint(await ping_error(wrong, AuthenticationError))
 
 
 async def test_cluster_round_trip(cluster: ClusterSet) -> None:

@@ -519,11 +519,11 @@ class Publisher:
         elif health == 200 and load is not None and signal:
             snap.readiness = spb.READY
             prev.loaded_at, prev.last_read = time.monotonic(), snap
-        elif health == 200 and load is None and prev.last_read is not None and self._reading_recent(prev):
+        elif health == 200 and load is None and (last := self._recent_reading(prev)) is not None:
             # A busy engine's /metrics can miss one deadline while it serves fine: still READY, its
             # load unknown (readers estimate it), rather than out of rotation for a whole interval.
             snap.readiness, snap.readiness_reason = spb.READY, detail or "no_metrics"
-            _carry_engine_facts(snap, prev.last_read)
+            _carry_engine_facts(snap, last)
         else:
             if health != 200:
                 reason = f"health_status_{health}"
@@ -536,9 +536,12 @@ class Publisher:
         prev.ready_seen = prev.ready_seen or snap.readiness == spb.READY
         return snap
 
-    def _reading_recent(self, prev: _Previous) -> bool:
-        """A load reading no older than the snapshot TTL: as fresh as a snapshot readers still use."""
-        return prev.loaded_at is not None and time.monotonic() - prev.loaded_at <= self.config.ttl_ms / 1000
+    def _recent_reading(self, prev: _Previous) -> spb.UpstreamSnapshot | None:
+        """The last READY snapshot with a load reading, if no older than the snapshot TTL (as fresh as
+        a snapshot readers still use)."""
+        if prev.loaded_at is None or time.monotonic() - prev.loaded_at > self.config.ttl_ms / 1000:
+            return None
+        return prev.last_read
 
     async def publish(self, client: Any, snap: spb.UpstreamSnapshot, started: float | None = None) -> bool:
         """SET with the TTL and PUBLISH, stamped now; bounded so a hung Redis cannot hold the task."""
